@@ -1,0 +1,263 @@
+"""Architecture adapters: run a Hugging Face decoder's own modules layer by layer over our cache.
+
+No modeling file is copied: each adapter reads the model's modules (projections, norms, rotary
+embedding, MLP) and calls them, adding only what the engine needs: an explicit write position
+in a :class:`~hispec_decode.kv_cache.LayeredKVCache`, explicit attention metadata, and the
+ability to start and stop at any layer (``run(h, lo, hi)`` runs ``layers[lo:hi]``).
+
+For speed the q/k/v projections and the MLP's gate/up projections are fused into one matmul
+each; the module parameters are re-pointed at slices of the fused tensor so nothing is stored
+twice and the Hugging Face model keeps working.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMeta, attend
+from .errors import UnsupportedArchitectureError
+from .kv_cache import LayeredKVCache
+
+
+@dataclass
+class _Fused:
+    weight: torch.Tensor  # [sum(out), in]
+    bias: torch.Tensor | None
+    sizes: list[int]
+
+
+def _fuse(linears: list[nn.Linear]) -> _Fused:
+    """Concatenate linears along their outputs and re-point each module at its slice."""
+    weight = torch.cat([lin.weight.detach() for lin in linears]).contiguous()
+    biases = [lin.bias for lin in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
+                          for b, lin in zip(biases, linears)]).contiguous()
+    sizes, offset = [], 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = nn.Parameter(weight[offset : offset + n], requires_grad=False)
+        if bias is not None and lin.bias is not None:
+            lin.bias = nn.Parameter(bias[offset : offset + n], requires_grad=False)
+        sizes.append(n)
+        offset += n
+    return _Fused(weight, bias, sizes)
+
+
+class DecoderAdapter(ABC):
+    """The engine's view of one base model: embed, run any slice of layers, exit to logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.config = model.config
+        self.num_layers: int = self.config.num_hidden_layers
+        self.vocab_size: int = self.config.vocab_size
+        self.max_positions: int = self.config.max_position_embeddings
+        self.lm_head: nn.Module = model.get_output_embeddings()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    # -- the pieces every architecture provides -------------------------------------------
+    @abstractmethod
+    def embed(self, tokens: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """Token ids [T] -> input hidden states [1, T, hidden]."""
+
+    @abstractmethod
+    def layer(self, i: int, h: torch.Tensor, meta: AttentionMeta, cache: LayeredKVCache) -> torch.Tensor:
+        """Run decoder layer ``i`` on [1, T, hidden], appending its K/V at ``meta.start``."""
+
+    @abstractmethod
+    def norm_params(self) -> dict[str, torch.Tensor]:
+        """The final norm's parameters (a head may own a trainable copy)."""
+
+    @abstractmethod
+    def exit_norm(self, h: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The final norm (with ``params`` if given, else the base's) and any projection to the LM head."""
+
+    @property
+    @abstractmethod
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def head_dim(self) -> int: ...
+
+    # -- shared ---------------------------------------------------------------------------
+    def meta(self, start: int, num_new: int) -> AttentionMeta:
+        positions = torch.arange(start, start + num_new, device=self.device)
+        return AttentionMeta(positions=positions, start=start)
+
+    def run(self, h: torch.Tensor, lo: int, hi: int, meta: AttentionMeta, cache: LayeredKVCache) -> torch.Tensor:
+        """Run ``layers[lo:hi]``."""
+        for i in range(lo, hi):
+            h = self.layer(i, h, meta, cache)
+        return h
+
+    def final_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.exit_norm(h))
+
+    def new_cache(self, capacity: int) -> LayeredKVCache:
+        return LayeredKVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
+
+
+def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAdapter(DecoderAdapter):
+    """Llama 2/3, CodeLlama, SmolLM2, Qwen2/2.5 (q/k/v biases), Qwen3 (q/k norms, sliding layers)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.inner = model.model
+        self.layers = self.inner.layers
+        attn0 = self.layers[0].self_attn
+        self._head_dim = attn0.head_dim
+        self._num_kv_heads = self.config.num_key_value_heads
+        self.qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+        self.gate_up = [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
+        self.windows = [getattr(l.self_attn, "sliding_window", None) for l in self.layers]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+    def meta(self, start: int, num_new: int) -> AttentionMeta:
+        meta = super().meta(start, num_new)
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.inner.rotary_emb(probe, meta.positions[None])  # [1, T, head_dim]
+        meta.rope = (cos[:, None], sin[:, None])
+        return meta
+
+    def embed(self, tokens: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        return self.inner.embed_tokens(tokens[None])
+
+    def layer(self, i: int, h: torch.Tensor, meta: AttentionMeta, cache: LayeredKVCache) -> torch.Tensor:
+        block, attn, d = self.layers[i], self.layers[i].self_attn, self._head_dim
+        T = h.shape[1]
+        x = _rms(h, block.input_layernorm)
+        qkv = self.qkv[i]
+        q, k, v = F.linear(x, qkv.weight, qkv.bias).split(qkv.sizes, dim=-1)
+        q, k, v = q.view(1, T, -1, d), k.view(1, T, -1, d), v.view(1, T, -1, d)
+        if hasattr(attn, "q_norm"):  # Qwen3
+            q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, d]
+        cos, sin = meta.rope
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k, v = cache.append(i, meta.start, k, v)
+        o = attend(q, k, v, meta.mask(self.windows[i]), attn.scaling)
+        h = h + attn.o_proj(o)
+        x = _rms(h, block.post_attention_layernorm)
+        gu = self.gate_up[i]
+        gate, up = F.linear(x, gu.weight, gu.bias).split(gu.sizes, dim=-1)
+        return h + block.mlp.down_proj(block.mlp.act_fn(gate) * up)
+
+    def norm_params(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.inner.norm.weight}
+
+    def exit_norm(self, h: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        weight = self.inner.norm.weight if params is None else params["weight"]
+        return F.rms_norm(h, (h.shape[-1],), weight, self.inner.norm.variance_epsilon)
+
+
+class OPTAdapter(DecoderAdapter):
+    """OPT: learned positions (offset 2), LayerNorm, pre- or post-LN, optional project_in/out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.inner = model.model.decoder
+        self.layers = self.inner.layers
+        self.pre_ln = self.config.do_layer_norm_before
+        self.qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+        self._num_heads = self.config.num_attention_heads
+        self._head_dim = self.config.hidden_size // self._num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+    def embed(self, tokens: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        x = self.inner.embed_tokens(tokens[None])
+        if self.inner.project_in is not None:
+            x = self.inner.project_in(x)
+        pos = self.inner.embed_positions
+        return x + pos.weight[meta.positions + pos.offset][None]
+
+    def layer(self, i: int, h: torch.Tensor, meta: AttentionMeta, cache: LayeredKVCache) -> torch.Tensor:
+        block, attn, d = self.layers[i], self.layers[i].self_attn, self._head_dim
+        T = h.shape[1]
+        x = block.self_attn_layer_norm(h) if self.pre_ln else h
+        qkv = self.qkv[i]
+        q, k, v = F.linear(x, qkv.weight, qkv.bias).split(qkv.sizes, dim=-1)
+        q = q * attn.scaling  # OPT scales the projected queries, then attends with scale 1
+        q, k, v = (t.view(1, T, -1, d).transpose(1, 2) for t in (q, k, v))
+        k, v = cache.append(i, meta.start, k, v)
+        h = h + attn.out_proj(attend(q, k, v, meta.mask(), 1.0))
+        if not self.pre_ln:
+            h = block.self_attn_layer_norm(h)
+        x = block.final_layer_norm(h) if self.pre_ln else h
+        h = h + block.fc2(block.activation_fn(block.fc1(x)))
+        return h if self.pre_ln else block.final_layer_norm(h)
+
+    def norm_params(self) -> dict[str, torch.Tensor]:
+        norm = self.inner.final_layer_norm
+        if norm is None or norm.weight is None:
+            return {}
+        return {"weight": norm.weight, "bias": norm.bias}
+
+    def exit_norm(self, h: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        norm = self.inner.final_layer_norm
+        if norm is not None:
+            p = self.norm_params() if params is None else params
+            h = F.layer_norm(h, norm.normalized_shape, p.get("weight"), p.get("bias"), norm.eps)
+        if self.inner.project_out is not None:
+            h = self.inner.project_out(h)
+        return h
+
+
+ADAPTERS: dict[str, type[DecoderAdapter]] = {
+    "llama": LlamaAdapter,
+    "qwen2": LlamaAdapter,
+    "qwen3": LlamaAdapter,
+    "opt": OPTAdapter,
+}
+SUPPORTED_MODEL_TYPES = tuple(sorted(ADAPTERS))
+
+
+def check_supported(model_type: str) -> None:
+    if model_type not in ADAPTERS:
+        raise UnsupportedArchitectureError(
+            f"architecture {model_type!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def adapter_for(model: nn.Module) -> DecoderAdapter:
+    """Wrap a loaded Hugging Face causal LM; fails for architectures this engine cannot run."""
+    check_supported(model.config.model_type)
+    return ADAPTERS[model.config.model_type](model)

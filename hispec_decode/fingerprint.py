@@ -1,0 +1,62 @@
+"""A fingerprint of a base model, so heads trained for one base are refused by another.
+
+It combines the architecture's shape with a signature: a fixed sample of weight values from
+the embedding, the first, middle and last decoder layers and the LM head. Signatures are
+compared with a relative tolerance of 1%, so the same base loaded in float32, bfloat16 or
+float16 matches, while another model (or another checkpoint whose weights differ by more
+than rounding) does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+SAMPLES_PER_TENSOR = 16
+RELATIVE_TOLERANCE = 1e-2
+SHAPE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+
+
+def _first_matrix(module: nn.Module) -> torch.Tensor:
+    return next(p for p in module.parameters() if p.dim() == 2)
+
+
+def _sample(t: torch.Tensor) -> list[float]:
+    flat = t.detach().reshape(-1)
+    idx = torch.linspace(0, flat.numel() - 1, SAMPLES_PER_TENSOR).round().long()
+    return [float(x) for x in flat[idx].float().cpu()]
+
+
+def compute_fingerprint(model: nn.Module) -> dict[str, Any]:
+    """The fingerprint of a loaded Hugging Face causal LM (a JSON-able dict)."""
+    cfg = model.config
+    layers = next(m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == cfg.num_hidden_layers)
+    tensors = [
+        model.get_input_embeddings().weight,
+        _first_matrix(layers[0]),
+        _first_matrix(layers[len(layers) // 2]),
+        _first_matrix(layers[-1]),
+        model.get_output_embeddings().weight,
+    ]
+    fp: dict[str, Any] = {k: getattr(cfg, k) for k in SHAPE_KEYS}
+    fp["signature"] = [x for t in tensors for x in _sample(t)]
+    return fp
+
+
+def fingerprint_id(fp: dict[str, Any]) -> str:
+    """A short id for messages and model cards (rounded, so dtype changes rarely alter it)."""
+    rounded = {k: fp.get(k) for k in SHAPE_KEYS} | {"signature": [f"{x:.2g}" for x in fp.get("signature", [])]}
+    return hashlib.sha256(json.dumps(rounded, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def fingerprints_match(expected: dict[str, Any], actual: dict[str, Any]) -> bool:
+    if any(expected.get(k) != actual.get(k) for k in SHAPE_KEYS):
+        return False
+    a, b = expected.get("signature", []), actual.get("signature", [])
+    if len(a) != len(b):
+        return False
+    return all(abs(x - y) <= RELATIVE_TOLERANCE * max(abs(x), abs(y)) + 1e-6 for x, y in zip(a, b))

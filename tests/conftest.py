@@ -1,0 +1,74 @@
+"""Tiny random-weight models of every supported architecture, saved to disk once per session."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
+
+from hispec_decode import HiSpecModel
+
+VOCAB = 101
+LAYERS = 6
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+              max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+LLAMA_LIKE = dict(intermediate_size=96, num_key_value_heads=2)
+
+
+def tiny_configs() -> dict[str, object]:
+    return {
+        "llama": LlamaConfig(**COMMON, **LLAMA_LIKE, tie_word_embeddings=False),
+        "llama-tied-mha": LlamaConfig(**COMMON, intermediate_size=96, num_key_value_heads=4, tie_word_embeddings=True),
+        "qwen2": Qwen2Config(**COMMON, **LLAMA_LIKE),
+        "qwen3": Qwen3Config(**COMMON, **LLAMA_LIKE, head_dim=16),
+        "opt": OPTConfig(**COMMON, ffn_dim=96, word_embed_proj_dim=32),  # pre-LN, project_in/out
+        "opt-post-ln": OPTConfig(**COMMON, ffn_dim=96, do_layer_norm_before=False),
+    }
+
+
+ARCHS = list(tiny_configs())
+
+
+@dataclass
+class Tiny:
+    name: str
+    path: Path
+    reference: torch.nn.Module  # transformers' own model, fp32, for generate()
+
+    def load(self, **kwargs) -> HiSpecModel:
+        return HiSpecModel.from_pretrained(str(self.path), **kwargs)
+
+    def hf_generate(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = self.reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      do_sample=False, eos_token_id=eos_token_id, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+
+def save_tiny(name: str, directory: Path, seed: int = 0, mutate=None) -> Tiny:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_configs()[name]).eval()
+    with torch.no_grad():  # random init gives near-uniform logits; sharpen so argmax is well separated
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(2.0)
+        if mutate is not None:
+            mutate(model)
+    model.save_pretrained(directory)
+    reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+    return Tiny(name, directory, reference)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Tiny]:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    return {name: save_tiny(name, tmp_path_factory.mktemp(name)) for name in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def hispec_models(tiny_models) -> dict[str, HiSpecModel]:
+    return {name: tiny.load() for name, tiny in tiny_models.items()}

@@ -1,0 +1,130 @@
+"""Greedy losslessness: token-for-token equality with transformers' own generate (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hispec_decode import HiSpecAdapter
+from hispec_decode.adapter import ExitSpec
+
+from conftest import ARCHS, LAYERS, VOCAB, save_tiny
+
+PROMPTS = {1: [7], 5: [3, 14, 15, 92, 65], 17: [(i * 37 + 11) % VOCAB for i in range(17)]}
+LAYER_CHOICES = [(1, 2), (1, LAYERS - 1), (2, 4), (3, LAYERS - 1)]  # (L_d, L_i), incl. L_d = 1 and L_i = L_f - 1
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    return {(a, n): tiny_models[a].hf_generate(p, NEW) for a in ARCHS for n, p in PROMPTS.items()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_autoregressive_matches_transformers(arch, hispec_models, references):
+    for n, prompt in PROMPTS.items():
+        out = hispec_models[arch].generate([prompt], max_new_tokens=NEW, method="autoregressive")
+        assert out.sequences[0] == references[arch, n]
+        assert out.stats["calls_full"] == NEW
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layers", LAYER_CHOICES)
+def test_hispec_matches_transformers(arch, layers, hispec_models, references):
+    model = hispec_models[arch]
+    for window in (1, 8):
+        for num_draft in (1, 3):
+            for n, prompt in PROMPTS.items():
+                out = model.generate([prompt], max_new_tokens=NEW, method="hispec", draft_layer=layers[0],
+                                     verify_layer=layers[1], window=window, num_draft=num_draft)
+                assert out.sequences[0] == references[arch, n], (window, num_draft, n)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("draft_layer", [1, 3, LAYERS - 1])
+def test_self_spec_matches_transformers(arch, draft_layer, hispec_models, references):
+    for num_draft in (1, 4, 8):
+        for n, prompt in PROMPTS.items():
+            out = hispec_models[arch].generate([prompt], max_new_tokens=NEW, method="self_spec",
+                                               draft_layer=draft_layer, num_draft=num_draft)
+            assert out.sequences[0] == references[arch, n], (num_draft, n)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "qwen3"])
+@pytest.mark.parametrize("method", ["autoregressive", "self_spec", "hispec"])
+def test_stops_at_eos_like_transformers(arch, method, tiny_models, hispec_models, references):
+    prompt = PROMPTS[5]
+    full = references[arch, 5]
+    for cut in (0, 3, 10):  # EOS as the first, an early and a later token
+        eos = full[cut]
+        ref = tiny_models[arch].hf_generate(prompt, NEW, eos_token_id=eos)
+        assert ref == full[: full.index(eos) + 1]
+        out = hispec_models[arch].generate([prompt], max_new_tokens=NEW, method=method, eos_token_id=eos,
+                                           draft_layer=2, verify_layer=4, window=4, num_draft=3)
+        assert out.sequences[0] == ref
+        assert out.stats["new_tokens"] == len(ref)
+
+
+def test_batch_rows_decoded_independently(hispec_models, references):
+    rows = [PROMPTS[5], PROMPTS[1], PROMPTS[17]]
+    out = hispec_models["llama"].generate(rows, max_new_tokens=NEW, method="hispec", draft_layer=1, verify_layer=3)
+    assert out.sequences == [references["llama", 5], references["llama", 1], references["llama", 17]]
+    as_tensor = hispec_models["llama"].generate(torch.tensor([PROMPTS[5], PROMPTS[5]]), max_new_tokens=NEW)
+    assert as_tensor.sequences == [references["llama", 5]] * 2
+
+
+def _identity_above(draft_layer: int):
+    """Zero every layer's output projections from ``draft_layer`` up: the upper layers become the
+    identity, so the draft exit equals the final prediction and every draft must be accepted."""
+
+    def mutate(model):
+        for layer in model.base_model.layers[draft_layer:] if hasattr(model.base_model, "layers") else model.model.decoder.layers[draft_layer:]:
+            outs = [layer.self_attn.o_proj, layer.mlp.down_proj] if hasattr(layer, "mlp") else [layer.self_attn.out_proj, layer.fc2]
+            for lin in outs:
+                lin.weight.zero_()
+                if lin.bias is not None:
+                    lin.bias.zero_()
+
+    return mutate
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "opt"])
+def test_exits_that_accept_everything(arch, tmp_path):
+    tiny = save_tiny(arch, tmp_path, mutate=_identity_above(1))
+    model = tiny.load()
+    for n, prompt in PROMPTS.items():
+        ref = tiny.hf_generate(prompt, NEW)
+        hi = model.generate([prompt], max_new_tokens=NEW, method="hispec", draft_layer=1, verify_layer=3, window=4, num_draft=3)
+        ss = model.generate([prompt], max_new_tokens=NEW, method="self_spec", draft_layer=1, num_draft=5)
+        assert hi.sequences[0] == ref and ss.sequences[0] == ref
+        assert hi.stats["acceptance_intermediate"] == 1.0 and hi.stats["acceptance_final"] == 1.0
+        assert ss.stats["acceptance_final"] == 1.0
+        # every full pass verifies the whole window and adds a bonus token
+        assert hi.stats["calls_full"] < NEW / 4
+
+
+def _zero_head(head):
+    """h + W h with W = -I: the head sees a zero hidden state, so it always proposes one fixed token."""
+    with torch.no_grad():
+        head.proj.weight.copy_(-torch.eye(head.proj.weight.shape[0]))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_exits_that_reject_almost_everything(arch, hispec_models, tiny_models, references, tmp_path):
+    model = hispec_models[arch]
+    for roles in (("draft",), ("draft", "intermediate")):
+        specs = [ExitSpec(1, "draft", "residual_linear"), ExitSpec(3, "intermediate", "residual_linear")]
+        adapter = HiSpecAdapter.create(model.arch, str(tiny_models[arch].path), specs)
+        for spec in specs:
+            if spec.role in roles:
+                _zero_head(adapter.head(spec.layer))
+        adapter.save_pretrained(tmp_path / "-".join(roles))
+        with_heads = tiny_models[arch].load(heads=str(tmp_path / "-".join(roles)))
+        for n, prompt in PROMPTS.items():
+            out = with_heads.generate([prompt], max_new_tokens=NEW, method="hispec", window=4, num_draft=3)
+            assert out.sequences[0] == references[arch, n]
+            stats = out.stats
+            if roles == ("draft",):
+                assert stats["acceptance_intermediate"] <= 0.25
+            else:  # both exits propose the same fixed token: L_i agrees, L_f rejects
+                assert stats["acceptance_intermediate"] == 1.0 and stats["acceptance_final"] <= 0.25
