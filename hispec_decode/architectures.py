@@ -6,15 +6,12 @@ in a :class:`~hispec_decode.kv_cache.LayeredKVCache`, explicit attention metadat
 ability to start and stop at any layer (``run(h, lo, hi)`` runs ``layers[lo:hi]``).
 
 For speed the q/k/v projections and the MLP's gate/up projections are fused into one matmul
-each; the module parameters are re-pointed at slices of the fused tensor so nothing is stored
-twice and the Hugging Face model keeps working.
+each, and on CPU every linear runs on oneDNN-packed weights (see :mod:`hispec_decode.linear`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,44 +19,24 @@ from torch import nn
 from .attention import AttentionMeta, attend
 from .errors import UnsupportedArchitectureError
 from .kv_cache import LayeredKVCache
-
-
-@dataclass
-class _Fused:
-    weight: torch.Tensor  # [sum(out), in]
-    bias: torch.Tensor | None
-    sizes: list[int]
-
-
-def _fuse(linears: list[nn.Linear]) -> _Fused:
-    """Concatenate linears along their outputs and re-point each module at its slice."""
-    weight = torch.cat([lin.weight.detach() for lin in linears]).contiguous()
-    biases = [lin.bias for lin in linears]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
-                          for b, lin in zip(biases, linears)]).contiguous()
-    sizes, offset = [], 0
-    for lin in linears:
-        n = lin.out_features
-        lin.weight = nn.Parameter(weight[offset : offset + n], requires_grad=False)
-        if bias is not None and lin.bias is not None:
-            lin.bias = nn.Parameter(bias[offset : offset + n], requires_grad=False)
-        sizes.append(n)
-        offset += n
-    return _Fused(weight, bias, sizes)
+from .linear import FusedLinear
 
 
 class DecoderAdapter(ABC):
     """The engine's view of one base model: embed, run any slice of layers, exit to logits."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, pack_weights: bool = True) -> None:
         self.model = model
         self.config = model.config
+        self.pack = pack_weights
         self.num_layers: int = self.config.num_hidden_layers
         self.vocab_size: int = self.config.vocab_size
         self.max_positions: int = self.config.max_position_embeddings
         self.lm_head: nn.Module = model.get_output_embeddings()
+        self.lm_head_kernel = FusedLinear([self.lm_head], pack_weights)
+
+    def linear(self, *linears: nn.Linear) -> FusedLinear:
+        return FusedLinear(list(linears), self.pack)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -105,8 +82,12 @@ class DecoderAdapter(ABC):
             h = self.layer(i, h, meta, cache)
         return h
 
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The shared LM head (input: the output of :meth:`exit_norm`)."""
+        return self.lm_head_kernel(h)
+
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.exit_norm(h))
+        return self.lm_logits(self.exit_norm(h))
 
     def new_cache(self, capacity: int) -> LayeredKVCache:
         return LayeredKVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
@@ -124,15 +105,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaAdapter(DecoderAdapter):
     """Llama 2/3, CodeLlama, SmolLM2, Qwen2/2.5 (q/k/v biases), Qwen3 (q/k norms, sliding layers)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
+    def __init__(self, model: nn.Module, pack_weights: bool = True) -> None:
+        super().__init__(model, pack_weights)
         self.inner = model.model
         self.layers = self.inner.layers
-        attn0 = self.layers[0].self_attn
-        self._head_dim = attn0.head_dim
+        self._head_dim = self.layers[0].self_attn.head_dim
         self._num_kv_heads = self.config.num_key_value_heads
-        self.qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
-        self.gate_up = [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
+        self.qkv = [self.linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
+        self.o_proj = [self.linear(l.self_attn.o_proj) for l in self.layers]
+        self.gate_up = [self.linear(l.mlp.gate_proj, l.mlp.up_proj) for l in self.layers]
+        self.down = [self.linear(l.mlp.down_proj) for l in self.layers]
         self.windows = [getattr(l.self_attn, "sliding_window", None) for l in self.layers]
 
     @property
@@ -157,8 +139,7 @@ class LlamaAdapter(DecoderAdapter):
         block, attn, d = self.layers[i], self.layers[i].self_attn, self._head_dim
         T = h.shape[1]
         x = _rms(h, block.input_layernorm)
-        qkv = self.qkv[i]
-        q, k, v = F.linear(x, qkv.weight, qkv.bias).split(qkv.sizes, dim=-1)
+        q, k, v = self.qkv[i].split(x)
         q, k, v = q.view(1, T, -1, d), k.view(1, T, -1, d), v.view(1, T, -1, d)
         if hasattr(attn, "q_norm"):  # Qwen3
             q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
@@ -168,11 +149,10 @@ class LlamaAdapter(DecoderAdapter):
         k = k * cos + _rotate_half(k) * sin
         k, v = cache.append(i, meta.start, k, v)
         o = attend(q, k, v, meta.mask(self.windows[i]), attn.scaling)
-        h = h + attn.o_proj(o)
+        h = h + self.o_proj[i](o)
         x = _rms(h, block.post_attention_layernorm)
-        gu = self.gate_up[i]
-        gate, up = F.linear(x, gu.weight, gu.bias).split(gu.sizes, dim=-1)
-        return h + block.mlp.down_proj(block.mlp.act_fn(gate) * up)
+        gate, up = self.gate_up[i].split(x)
+        return h + self.down[i](block.mlp.act_fn(gate) * up)
 
     def norm_params(self) -> dict[str, torch.Tensor]:
         return {"weight": self.inner.norm.weight}
@@ -185,12 +165,15 @@ class LlamaAdapter(DecoderAdapter):
 class OPTAdapter(DecoderAdapter):
     """OPT: learned positions (offset 2), LayerNorm, pre- or post-LN, optional project_in/out."""
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
+    def __init__(self, model: nn.Module, pack_weights: bool = True) -> None:
+        super().__init__(model, pack_weights)
         self.inner = model.model.decoder
         self.layers = self.inner.layers
         self.pre_ln = self.config.do_layer_norm_before
-        self.qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+        self.qkv = [self.linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
+        self.out_proj = [self.linear(l.self_attn.out_proj) for l in self.layers]
+        self.fc1 = [self.linear(l.fc1) for l in self.layers]
+        self.fc2 = [self.linear(l.fc2) for l in self.layers]
         self._num_heads = self.config.num_attention_heads
         self._head_dim = self.config.hidden_size // self._num_heads
 
@@ -213,16 +196,15 @@ class OPTAdapter(DecoderAdapter):
         block, attn, d = self.layers[i], self.layers[i].self_attn, self._head_dim
         T = h.shape[1]
         x = block.self_attn_layer_norm(h) if self.pre_ln else h
-        qkv = self.qkv[i]
-        q, k, v = F.linear(x, qkv.weight, qkv.bias).split(qkv.sizes, dim=-1)
+        q, k, v = self.qkv[i].split(x)
         q = q * attn.scaling  # OPT scales the projected queries, then attends with scale 1
         q, k, v = (t.view(1, T, -1, d).transpose(1, 2) for t in (q, k, v))
         k, v = cache.append(i, meta.start, k, v)
-        h = h + attn.out_proj(attend(q, k, v, meta.mask(), 1.0))
+        h = h + self.out_proj[i](attend(q, k, v, meta.mask(), 1.0))
         if not self.pre_ln:
             h = block.self_attn_layer_norm(h)
         x = block.final_layer_norm(h) if self.pre_ln else h
-        h = h + block.fc2(block.activation_fn(block.fc1(x)))
+        h = h + self.fc2[i](block.activation_fn(self.fc1[i](x)))
         return h if self.pre_ln else block.final_layer_norm(h)
 
     def norm_params(self) -> dict[str, torch.Tensor]:
@@ -257,7 +239,7 @@ def check_supported(model_type: str) -> None:
         )
 
 
-def adapter_for(model: nn.Module) -> DecoderAdapter:
+def adapter_for(model: nn.Module, pack_weights: bool = True) -> DecoderAdapter:
     """Wrap a loaded Hugging Face causal LM; fails for architectures this engine cannot run."""
     check_supported(model.config.model_type)
-    return ADAPTERS[model.config.model_type](model)
+    return ADAPTERS[model.config.model_type](model, pack_weights)

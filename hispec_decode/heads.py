@@ -37,7 +37,7 @@ class ExitHead(nn.Module):
     def forward(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
         """[..., hidden] -> logits [..., vocab]."""
         params = dict(self.norm.items()) if len(self.norm) else None
-        return base.lm_head(base.exit_norm(self.transform(h), params))
+        return base.lm_logits(base.exit_norm(self.transform(h), params))
 
     @classmethod
     def from_base(cls, base: DecoderAdapter, **options: Any) -> ExitHead:

@@ -1,0 +1,170 @@
+"""``hispec-bench``: transformers' ``generate`` and this engine's methods, side by side in one process.
+
+Every method decodes the same prompts greedily, interleaved prompt by prompt (so machine noise
+hits all of them alike); the table reports tokens/s, the ratio to transformers, acceptance per
+level, and whether each method's output matched transformers' token for token. It also
+measures the "verification wall": the time of one full-model pass over the time of one draft
+pass (layers ``0..L_d`` plus the draft exit), both for a single new token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .cli import add_model_args, add_policy_args
+from .prompts import CHAT_PROMPTS, encode_prompt
+from .strategies import Counters
+
+logger = logging.getLogger(__name__)
+METHODS = ("transformers", "autoregressive", "self_spec", "hispec")
+
+
+@dataclass
+class Tally:
+    tokens: int = 0
+    seconds: float = 0.0
+    matches: int = 0
+    prompts: int = 0
+    counters: Counters = field(default_factory=Counters)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def row(self, baseline: Tally | None) -> dict[str, Any]:
+        c = self.counters
+        tps = self.tokens / self.seconds if self.seconds else 0.0
+        base_tps = baseline.tokens / baseline.seconds if baseline and baseline.seconds else None
+        return {
+            "tokens": self.tokens, "seconds": round(self.seconds, 4), "tokens_per_second": round(tps, 3),
+            "ratio_to_transformers": round(tps / base_tps, 3) if base_tps else None,
+            "acceptance_intermediate": round(c.accepted_intermediate / c.drafted, 4) if c.drafted else None,
+            "acceptance_final": round(c.accepted_final / c.tentative, 4) if c.tentative else None,
+            "tokens_per_full_call": round(self.tokens / c.calls_full, 3) if c.calls_full else None,
+            "matches_transformers": f"{self.matches}/{self.prompts}",
+        }
+
+
+def _hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                        do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def verification_wall(model, policy, prompt: list[int], reps: int = 10) -> dict[str, float]:
+    """Seconds of one single-token full pass and one single-token draft pass (incl. its exit head)."""
+    engine, n = model.engine, model.num_layers
+    st = engine.new_state(prompt + [prompt[-1]], (policy.draft_layer, n), len(prompt) + 2)
+    engine.advance(st, 1)
+
+    def timed(fn) -> float:
+        best = []
+        for _ in range(reps):
+            engine.truncate(st, len(prompt))
+            st.tokens.append(prompt[-1])
+            t0 = time.perf_counter()
+            fn()
+            best.append(time.perf_counter() - t0)
+        return sorted(best)[len(best) // 2]
+
+    draft = timed(lambda: engine.logits(policy.draft_layer, engine.advance(st, 0)[:, -1:]))
+    full = timed(lambda: engine.logits(n, engine.advance(st, 1)[:, -1:]))
+    return {"full_pass_ms": 1000 * full, "draft_pass_ms": 1000 * draft, "full_over_draft": full / draft}
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    from .model import HiSpecModel
+
+    results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "dtypes": {}}
+    for dtype in args.dtypes.split(","):
+        model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=dtype)
+        if model.tokenizer is not None:
+            prompts = [encode_prompt(model.tokenizer, t) for t in CHAT_PROMPTS[: args.num_prompts]]
+        else:  # a base without a tokenizer: seeded random prompts of mixed lengths
+            g = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(0, model.arch.vocab_size, (8 + 5 * i,), generator=g).tolist() for i in range(args.num_prompts)]
+        policy_args = dict(draft_layer=args.draft_layer, verify_layer=args.verify_layer, window=args.window, num_draft=args.num_draft)
+        methods = [m for m in args.methods.split(",") if m]
+        tallies = {m: Tally() for m in methods}
+        for m in methods:  # warm-up: first calls allocate and tune kernels
+            if m != "transformers":
+                model.decode([prompts[0]], max_new_tokens=8, method=m, **policy_args)
+            else:
+                _hf_generate(model, prompts[0], 8)
+        for i, prompt in enumerate(tqdm(prompts, desc=f"bench {dtype}", unit="prompt")):
+            for m in methods[i % len(methods):] + methods[: i % len(methods)]:  # rotate the order
+                t0 = time.perf_counter()
+                if m == "transformers":
+                    tokens = _hf_generate(model, prompt, args.max_new_tokens)
+                    counters = Counters()
+                else:
+                    (run,) = model.decode([prompt], max_new_tokens=args.max_new_tokens, method=m, **policy_args)
+                    tokens, counters = run.tokens[len(prompt):], run.counters
+                tally = tallies[m]
+                tally.seconds += time.perf_counter() - t0
+                tally.tokens += len(tokens)
+                tally.counters.add(counters)
+                tally.prompts += 1
+                tally.outputs.append(tokens)
+        baseline = tallies.get("transformers")
+        for tally in tallies.values():
+            if baseline is not None:
+                tally.matches = sum(a == b for a, b in zip(tally.outputs, baseline.outputs))
+        policy = model.policy("hispec", **policy_args)
+        results["dtypes"][dtype] = {
+            "methods": {m: t.row(baseline) for m, t in tallies.items()},
+            "policy": asdict(policy) | {"self_spec_num_draft": model.policy("self_spec", **policy_args).num_draft},
+            "verification_wall": verification_wall(model, policy, prompts[0]),
+        }
+    return results
+
+
+def format_table(results: dict[str, Any]) -> str:
+    lines = []
+    head = f"{'dtype':9} {'method':15} {'tok/s':>8} {'x HF':>6} {'acc L_i':>8} {'acc L_f':>8} {'tok/full':>9} {'= HF':>7}"
+    for dtype, res in results["dtypes"].items():
+        lines += [head, "-" * len(head)]
+        for m, r in res["methods"].items():
+            def f(x, pct=False):
+                return "-" if x is None else (f"{100 * x:.1f}%" if pct else f"{x:.2f}")
+            lines.append(f"{dtype:9} {m:15} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
+                         f"{f(r['acceptance_intermediate'], True):>8} {f(r['acceptance_final'], True):>8} "
+                         f"{f(r['tokens_per_full_call']):>9} {r['matches_transformers']:>7}")
+        w = res["verification_wall"]
+        lines.append(f"verification wall ({dtype}): full pass {w['full_pass_ms']:.1f} ms / draft pass "
+                     f"{w['draft_pass_ms']:.1f} ms = {w['full_over_draft']:.2f}x   policy {res['policy']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hispec-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated dtypes, each benchmarked in turn")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=len(CHAT_PROMPTS))
+    p.add_argument("--json", type=Path, default=None, help="write the numbers to this file")
+    add_policy_args(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    results = run_benchmark(args)
+    print(format_table(results))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
