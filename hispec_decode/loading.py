@@ -95,9 +95,17 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, object]:
     return model.to(dtype), tokenizer
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def _load_tokenizer(source: str) -> object | None:
     from transformers import AutoTokenizer
 
+    path = Path(source)
+    if path.is_dir() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer for some architectures; say "none" instead
+        logger.info("no tokenizer files in %s; decoding token ids only", source)
+        return None
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError) as exc:

@@ -1,0 +1,35 @@
+"""The command-line tools run end to end (on a tiny model; speed is not checked here)."""
+
+from __future__ import annotations
+
+import json
+
+from hispec_decode import bench, cli
+
+
+def test_generate_with_prompt_ids(tiny_models, capsys):
+    path = str(tiny_models["llama"].path)
+    assert cli.main(["--base", path, "--prompt-ids", "1 2 3", "--max-new-tokens", "5", "--method", "self_spec",
+                     "--draft-layer", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "[self_spec] 5 tokens" in out
+    assert cli.main(["--base", path, "--prompt-ids", "1 2 3", "--sample", "--seed", "3", "--max-new-tokens", "4"]) == 0
+
+
+def test_generate_reports_bad_input(tiny_models, capsys):
+    path = str(tiny_models["llama"].path)
+    assert cli.main(["--base", path, "--prompt", "hello"]) == 2  # no tokenizer
+    assert "no tokenizer" in capsys.readouterr().err
+    assert cli.main(["--base", path, "--prompt-ids", "1", "--draft-layer", "5", "--verify-layer", "2"]) == 2
+
+
+def test_bench_runs_and_writes_json(tiny_models, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--base", str(tiny_models["qwen3"].path), "--dtypes", "float32,bfloat16", "--num-prompts", "2",
+                       "--max-new-tokens", "12", "--json", str(out), "--draft-layer", "1", "--verify-layer", "3"]) == 0
+    results = json.loads(out.read_text())
+    fp32 = results["dtypes"]["float32"]["methods"]
+    assert set(fp32) == {"transformers", "autoregressive", "self_spec", "hispec"}
+    assert all(r["matches_transformers"] == "2/2" for r in fp32.values())  # fp32 is exact
+    assert results["dtypes"]["float32"]["verification_wall"]["full_over_draft"] > 0
+    assert "hispec" in capsys.readouterr().out
