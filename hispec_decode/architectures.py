@@ -94,7 +94,8 @@ class DecoderAdapter(ABC):
 
 
 def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    """RMSNorm as transformers computes it: normalise in float32, scale in the model's dtype."""
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -116,6 +117,9 @@ class LlamaAdapter(DecoderAdapter):
         self.gate_up = [self.linear(l.mlp.gate_proj, l.mlp.up_proj) for l in self.layers]
         self.down = [self.linear(l.mlp.down_proj) for l in self.layers]
         self.windows = [getattr(l.self_attn, "sliding_window", None) for l in self.layers]
+        rope_type = (getattr(self.config, "rope_parameters", None) or {}).get("rope_type", "default")
+        self._static_rope = rope_type not in ("dynamic", "longrope")
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -125,11 +129,28 @@ class LlamaAdapter(DecoderAdapter):
     def head_dim(self) -> int:
         return self._head_dim
 
+    def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions 0..length-1, [1, 1, length, head_dim], computed by the model's
+        own rotary module and cached (position-independent rope types only: a table equals
+        per-call values exactly, since each entry depends only on its own position)."""
+        if self._rope is None or self._rope[0].shape[2] < length:
+            grown = 2 * self._rope[0].shape[2] if self._rope else 256
+            size = max(length, min(grown, self.max_positions))
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            positions = torch.arange(size, device=self.device)[None]
+            cos, sin = self.inner.rotary_emb(probe, positions)  # [1, size, head_dim]
+            self._rope = (cos[:, None], sin[:, None])
+        return self._rope
+
     def meta(self, start: int, num_new: int) -> AttentionMeta:
         meta = super().meta(start, num_new)
-        probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        cos, sin = self.inner.rotary_emb(probe, meta.positions[None])  # [1, T, head_dim]
-        meta.rope = (cos[:, None], sin[:, None])
+        if self._static_rope:
+            cos, sin = self.rope_table(start + num_new)
+            meta.rope = (cos[:, :, start : start + num_new], sin[:, :, start : start + num_new])
+        else:  # length-dependent rope (dynamic NTK, longrope): computed for these positions
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            cos, sin = self.inner.rotary_emb(probe, meta.positions[None])
+            meta.rope = (cos[:, None], sin[:, None])
         return meta
 
     def embed(self, tokens: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
@@ -159,7 +180,7 @@ class LlamaAdapter(DecoderAdapter):
 
     def exit_norm(self, h: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         weight = self.inner.norm.weight if params is None else params["weight"]
-        return F.rms_norm(h, (h.shape[-1],), weight, self.inner.norm.variance_epsilon)
+        return weight * F.rms_norm(h.float(), (h.shape[-1],), None, self.inner.norm.variance_epsilon).to(h.dtype)
 
 
 class OPTAdapter(DecoderAdapter):
