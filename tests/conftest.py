@@ -72,3 +72,45 @@ def tiny_models(tmp_path_factory) -> dict[str, Tiny]:
 @pytest.fixture(scope="session")
 def hispec_models(tiny_models) -> dict[str, HiSpecModel]:
     return {name: tiny.load() for name, tiny in tiny_models.items()}
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_char_tokenizer(directory: Path) -> None:
+    """A character-level tokenizer that fits the tiny models' vocabulary (for training tests)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    assert len(vocab) <= VOCAB
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+
+
+def write_conversations(path: Path, n: int = 40) -> Path:
+    import json
+
+    rows = []
+    for i in range(n):
+        q = f"What is {i} plus {i + 1}?"
+        rows.append({"conversations": [{"from": "human", "value": q},
+                                       {"from": "gpt", "value": f"{i} plus {i + 1} is {2 * i + 1}. " * 3}]})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def trainable_base(tmp_path_factory) -> Path:
+    """A tiny Llama with a tokenizer and a chat template, saved to disk."""
+    path = tmp_path_factory.mktemp("trainable")
+    save_tiny("llama", path)
+    save_char_tokenizer(path)
+    return path

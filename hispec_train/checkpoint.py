@@ -1,0 +1,57 @@
+"""Training checkpoints in safetensors + JSON only (heads, optimizer moments, step); no pickles.
+
+The latest checkpoint is written to a temporary directory and renamed into place, so a run
+killed mid-write keeps the previous one: a killed run loses at most one save interval.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from hispec_decode.adapter import HiSpecAdapter
+
+CHECKPOINT_DIR = "checkpoint"
+OPTIMIZER_NAME = "optimizer.safetensors"
+STATE_NAME = "trainer_state.json"
+
+
+def save_checkpoint(run_dir: Path, adapter: HiSpecAdapter, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
+    tmp = run_dir / (CHECKPOINT_DIR + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    adapter.save_pretrained(tmp)
+    opt = optimizer.state_dict()
+    tensors = {f"{idx}.{k}": v.detach().cpu().contiguous() for idx, s in opt["state"].items() for k, v in s.items()
+               if isinstance(v, torch.Tensor)}
+    save_file(tensors, str(tmp / OPTIMIZER_NAME))
+    (tmp / STATE_NAME).write_text(json.dumps(state | {"param_groups": opt["param_groups"]}, indent=2, sort_keys=True))
+    final = run_dir / CHECKPOINT_DIR
+    old = run_dir / (CHECKPOINT_DIR + ".old")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(run_dir: Path, adapter: HiSpecAdapter, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """Restore heads and optimizer from ``run_dir``'s checkpoint; returns the trainer state or None."""
+    path = run_dir / CHECKPOINT_DIR
+    if not (path / STATE_NAME).is_file():
+        return None
+    saved = HiSpecAdapter.from_pretrained(path)
+    adapter.load_state_dict(saved.state_dict())
+    state = json.loads((path / STATE_NAME).read_text())
+    tensors = load_file(str(path / OPTIMIZER_NAME))
+    opt_state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        idx, name = key.split(".", 1)
+        opt_state.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": opt_state, "param_groups": state.pop("param_groups")})
+    return state

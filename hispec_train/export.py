@@ -1,0 +1,107 @@
+"""``hispec-export RUN_DIR --out DIR [--push-to-hub REPO_ID] [--private] [--revision R]``.
+
+Writes the adapter of a training run (config, heads-only safetensors) plus a ``README.md``
+model card with the base, its fingerprint, the exits, the training data and steps, and the
+measured agreement table; optionally uploads the directory to the Hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from hispec_decode.adapter import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, HiSpecAdapter
+from hispec_decode.errors import HiSpecError
+from hispec_decode.fingerprint import fingerprint_id
+
+from .checkpoint import CHECKPOINT_DIR, STATE_NAME
+from .report import EVAL_NAME
+
+
+def model_card(adapter: HiSpecAdapter, report: dict[str, Any], steps: int) -> str:
+    cfg = adapter.config
+    last = report["history"][-1] if report.get("history") else {}
+    size = sum(p.numel() for p in adapter.parameters())
+    rows = "\n".join(
+        f"| {e.layer} | {e.role} | {e.head_type} | {report['untrained'].get(f'agreement/L{e.layer}', float('nan')):.3f} "
+        f"| {last.get(f'agreement/L{e.layer}', float('nan')):.3f} |" for e in cfg.exits)
+    extra = ""
+    if "agreement/draft_vs_intermediate" in last:
+        extra = (f"\nDraft agrees with the intermediate exit on {last['agreement/draft_vs_intermediate']:.3f} of tokens; "
+                 f"expected accepted length at the intermediate exit for a window of {report['window']}: "
+                 f"{last.get('expected_accepted/intermediate', float('nan')):.2f}.\n")
+    return f"""---
+library_name: hispec
+base_model: {cfg.base_model}
+tags: [hispec, speculative-decoding, early-exit]
+---
+# HiSpec exit heads for {cfg.base_model}
+
+Early-exit heads for lossless hierarchical speculative decoding with HiSpec (`pip install hispec`).
+Heads only ({size:,} parameters); the base model is not included.
+
+- Base: `{cfg.base_model}` (fingerprint `{fingerprint_id(cfg.base_fingerprint)}`; {cfg.num_hidden_layers} layers,
+  hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size})
+- Training: {steps} steps, data `{cfg.training.get('dataset')}` ({cfg.training.get('records_used')} records used,
+  {cfg.training.get('records_skipped')} skipped), sequence length {cfg.training.get('seq_len')}
+
+## Held-out top-1 agreement with the final layer
+
+| layer | role | head | untrained exit (norm + LM head) | trained head |
+|---|---|---|---|---|
+{rows}
+{extra}
+## Usage
+
+```python
+from hispec_decode import HiSpecModel
+
+model = HiSpecModel.from_pretrained("{cfg.base_model}", heads="PATH_OR_REPO_OF_THIS_ADAPTER")
+out = model.generate(input_ids, max_new_tokens=128, method="hispec")
+```
+"""
+
+
+def export(run_dir: Path, out: Path) -> HiSpecAdapter:
+    checkpoint = run_dir / CHECKPOINT_DIR
+    if not (checkpoint / CONFIG_NAME).is_file():
+        raise HiSpecError(f"{run_dir} holds no finished checkpoint ({checkpoint} is missing)")
+    adapter = HiSpecAdapter.from_pretrained(checkpoint)
+    report = json.loads((run_dir / EVAL_NAME).read_text()) if (run_dir / EVAL_NAME).is_file() else {"untrained": {}, "history": [], "window": 0}
+    steps = json.loads((checkpoint / STATE_NAME).read_text())["step"]
+    adapter.config.training["steps"] = steps
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    adapter.save_pretrained(tmp)
+    (tmp / MODEL_CARD_NAME).write_text(model_card(adapter, report, steps))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return adapter
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hispec-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--push-to-hub", metavar="REPO_ID", default=None)
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--revision", default=None)
+    args = p.parse_args(argv)
+    try:
+        adapter = export(args.run_dir, args.out)
+    except HiSpecError as exc:
+        print(f"hispec-export: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {CONFIG_NAME}, {WEIGHTS_NAME}, {MODEL_CARD_NAME}")
+    if args.push_to_hub:
+        url = adapter.push_to_hub(args.push_to_hub, private=args.private, revision=args.revision, local_dir=args.out)
+        print(f"uploaded to {url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

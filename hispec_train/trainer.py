@@ -1,0 +1,174 @@
+"""The training loop: distil exit heads into a frozen base (read top to bottom).
+
+One base forward per batch (no grad) yields the hidden state at every exit layer and the final
+hidden state, from which the teacher logits are computed chunk by chunk and shared by all heads.
+Only the heads train. Accelerate owns devices, mixed precision, gradient accumulation and data
+parallelism; checkpoints are safetensors + JSON (see :mod:`hispec_train.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch import nn
+from tqdm.auto import tqdm
+
+from hispec_decode.adapter import ExitSpec, HiSpecAdapter
+from hispec_decode.architectures import DecoderAdapter, adapter_for
+from hispec_decode.loading import load_base
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .data import build_dataset
+from .distill import Agreement, LossConfig, agreement, distillation_loss, expected_accepted
+from .report import write_eval_report
+
+logger = logging.getLogger(__name__)
+CONFIG_NAME = "train_config.json"
+
+
+class HeadsLoss(nn.Module):
+    """The heads as one module (what DDP wraps): hidden states in, per-head losses out."""
+
+    def __init__(self, adapter: HiSpecAdapter, base: DecoderAdapter, loss_cfg: LossConfig) -> None:
+        super().__init__()
+        self.adapter = adapter
+        self.base = [base]  # a list: the frozen base is not a submodule (not trained, not wrapped)
+        self.loss_cfg = loss_cfg
+
+    def forward(self, hidden: list[torch.Tensor], teacher_hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        heads = [self.adapter.heads[k] for k in sorted(self.adapter.heads, key=int)]
+        return distillation_loss(self.base[0], heads, hidden, teacher_hidden, input_ids, self.loss_cfg)
+
+
+def base_forward(model: nn.Module, input_ids: torch.Tensor, layers: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Hidden states after each exit layer [B, T, H] and the final (normed) hidden state."""
+    inner = getattr(model, model.base_model_prefix)
+    with torch.no_grad():
+        out = inner(input_ids=input_ids, output_hidden_states=True)
+    return [out.hidden_states[l] for l in layers], out.last_hidden_state
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to 10% of ``lr``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def batch_indices(step: int, micro: int, cfg: TrainConfig, n_blocks: int, rank: int, world: int) -> list[int]:
+    """The same global order for any number of processes: epoch permutations seeded by ``seed``."""
+    global_batch = cfg.batch_size * world
+    start = (step * cfg.grad_accum + micro) * global_batch + rank * cfg.batch_size
+    out = []
+    for i in range(start, start + cfg.batch_size):
+        epoch, offset = divmod(i, n_blocks)
+        order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        out.append(int(order[offset]))
+    return out
+
+
+def evaluate(cfg: TrainConfig, base: DecoderAdapter, heads: dict[int, nn.Module], blocks: torch.Tensor) -> dict[str, float]:
+    """Top-1 agreement of each head with the final layer on held-out blocks, and derived numbers."""
+    layers = cfg.heads_layers
+    counts = Agreement()
+    for s in range(0, min(len(blocks), cfg.eval_batches * cfg.batch_size), cfg.batch_size):
+        ids = blocks[s : s + cfg.batch_size].to(base.device)
+        hidden, final = base_forward(base.model, ids, layers)
+        agreement(base, heads, dict(zip(layers, hidden)), final, layers[0], layers[min(1, len(layers) - 1)],
+                  cfg.chunk_size, counts)
+    rates = counts.rates()
+    if len(layers) >= 2:
+        rates["expected_accepted/intermediate"] = expected_accepted(rates[f"agreement/L{layers[1]}"], cfg.window)
+    return rates
+
+
+def train(cfg: TrainConfig) -> Path:
+    run_dir = Path(cfg.output_dir)
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=cfg.mixed_precision,
+                              log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=str(run_dir))
+    set_seed(cfg.seed)
+    main = accelerator.is_main_process
+
+    # the frozen base, its exit machinery, and the data --------------------------------------
+    loaded = load_base(cfg.base, "float32")
+    model = loaded.model.to(accelerator.device)
+    base = adapter_for(model, pack_weights=False)
+    cfg.check_layers(base.num_layers)
+    data = build_dataset(cfg.dataset, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.eval_fraction, cfg.seed)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+        logger.info("data: %d train blocks, %d held-out blocks of %d tokens", len(data.train), len(data.eval), cfg.seq_len)
+
+    # the heads, initialised to reproduce the base's own exits -------------------------------
+    specs = [ExitSpec(l, role, cfg.head_type, cfg.head_options) for l, role in zip(cfg.heads_layers, cfg.roles())]
+    adapter = HiSpecAdapter.create(base, loaded.name, specs, training={
+        "dataset": cfg.dataset, "records_used": data.records_used, "records_skipped": data.records_skipped,
+        "train_tokens_available": int(data.train.numel()), "seq_len": cfg.seq_len, "head_type": cfg.head_type})
+    adapter.to(accelerator.device)
+    untrained = evaluate(cfg, base, {l: _base_head(adapter, l) for l in cfg.heads_layers}, data.eval)
+    loss_module = HeadsLoss(adapter, base, LossConfig(cfg.kd_temperature, cfg.ce_weight, cfg.chunk_size))
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    loss_module, optimizer = accelerator.prepare(loss_module, optimizer)
+
+    start, history = 0, []
+    if cfg.resume:
+        state = load_checkpoint(run_dir, adapter, optimizer)
+        if state is not None:
+            start, history = state["step"], state.get("history", [])
+            logger.info("resumed from %s at step %d", run_dir / "checkpoint", start)
+    if cfg.report_to != "none":
+        accelerator.init_trackers("hispec", config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                                                     for k, v in cfg.to_dict().items()})
+
+    # the loop --------------------------------------------------------------------------------
+    bar = tqdm(range(start, cfg.max_steps), initial=start, total=cfg.max_steps, desc="training heads", disable=not main)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * accelerator.num_processes
+    t0 = time.perf_counter()
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        for micro in range(cfg.grad_accum):
+            idx = batch_indices(step, micro, cfg, len(data.train), accelerator.process_index, accelerator.num_processes)
+            ids = data.train[idx].to(accelerator.device)  # [B, T]
+            hidden, final = base_forward(model, ids, cfg.heads_layers)  # k x [B, T, H], [B, T, H']
+            with accelerator.accumulate(loss_module):
+                losses = loss_module(hidden, final, ids)  # [n_heads], mean KD per token
+                accelerator.backward(losses.sum())
+                optimizer.step()
+                optimizer.zero_grad()
+        speed = tokens_per_step * (step + 1 - start) / (time.perf_counter() - t0)
+        logs = {f"loss/L{l}": float(x) for l, x in zip(cfg.heads_layers, losses.detach())} | {"lr": lr_at(step, cfg)}
+        bar.set_postfix(loss=f"{float(losses.detach().mean()):.3f}", tok_s=f"{speed:.0f}")
+        if cfg.report_to != "none":
+            accelerator.log(logs | {"tokens_per_second": speed}, step=step + 1)
+        done = step + 1 == cfg.max_steps
+        if (step + 1) % cfg.eval_every == 0 or done:
+            rates = evaluate(cfg, base, {l: adapter.head(l) for l in cfg.heads_layers}, data.eval)
+            history.append({"step": step + 1, **logs, **rates})
+            if cfg.report_to != "none":
+                accelerator.log(rates, step=step + 1)
+            if main:
+                write_eval_report(run_dir, cfg, untrained, history)
+        if main and ((step + 1) % cfg.save_every == 0 or done):
+            save_checkpoint(run_dir, adapter, optimizer, {"step": step + 1, "history": history})
+        accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return run_dir
+
+
+def _base_head(adapter: HiSpecAdapter, layer: int) -> nn.Module:
+    """The untrained exit at ``layer`` (the base's norm + LM head), for comparison."""
+    from hispec_decode.heads import BaseExitHead
+
+    return BaseExitHead(adapter.config.hidden_size)

@@ -1,0 +1,176 @@
+"""hispec_train on a tiny random base: loss goes down, resume, export, recipes, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hispec_decode import CONFIG_NAME, WEIGHTS_NAME, FingerprintMismatchError, HiSpecAdapter, HiSpecError, HiSpecModel
+from hispec_decode.architectures import adapter_for
+from hispec_decode.loading import load_base
+from hispec_train import trainer as trainer_mod
+from hispec_train.config import load_config
+from hispec_train.data import build_dataset, read_json_records
+from hispec_train.distill import LossConfig, distillation_loss
+from hispec_train.export import export
+from hispec_train.trainer import base_forward, train
+
+from conftest import save_char_tokenizer, save_tiny, write_conversations
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(base: Path, data: Path, out: Path, **kw) -> object:
+    keys = dict(base=str(base), dataset=str(data), heads_layers="1,3", seq_len=32, batch_size=4, max_steps=20,
+                eval_every=10, save_every=10, lr=3e-3, warmup_steps=2, max_tokens="none", output_dir=str(out),
+                report_to="none", eval_batches=2)
+    return load_config(None, {k: str(v) for k, v in (keys | kw).items()})
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    return write_conversations(tmp_path_factory.mktemp("data") / "conv.jsonl")
+
+
+@pytest.fixture(scope="module")
+def trained_run(trainable_base, data_file, tmp_path_factory) -> Path:
+    return train(_cfg(trainable_base, data_file, tmp_path_factory.mktemp("run") / "run", max_steps=30))
+
+
+def _heldout_loss(base_path: Path, data_file: Path, adapter: HiSpecAdapter) -> float:
+    loaded = load_base(str(base_path))
+    base = adapter_for(loaded.model, pack_weights=False)
+    cfg = _cfg(base_path, data_file, Path("unused"))
+    data = build_dataset(str(data_file), loaded.tokenizer, 32, None, cfg.eval_fraction, cfg.seed)
+    hidden, final = base_forward(loaded.model, data.eval, [1, 3])
+    with torch.no_grad():
+        return float(distillation_loss(base, [adapter.head(1), adapter.head(3)], hidden, final, data.eval, LossConfig()).sum())
+
+
+def test_training_lowers_heldout_loss_and_raises_agreement(trained_run, trainable_base, data_file):
+    trained = HiSpecAdapter.from_pretrained(trained_run / "checkpoint")
+    fresh = HiSpecAdapter.create(adapter_for(load_base(str(trainable_base)).model, pack_weights=False), "x",
+                                 [e for e in _specs(trained)])
+    assert _heldout_loss(trainable_base, data_file, trained) < 0.9 * _heldout_loss(trainable_base, data_file, fresh)
+    report = json.loads((trained_run / "eval.json").read_text())
+    last = report["history"][-1]
+    assert last["step"] == 30
+    assert last["agreement/L3"] > report["untrained"]["agreement/L3"]
+    assert (trained_run / "agreement.png").stat().st_size > 1000
+
+
+def _specs(adapter):
+    from hispec_decode.adapter import ExitSpec
+
+    return [ExitSpec(e.layer, e.role, e.head_type, e.options) for e in adapter.config.exits]
+
+
+def test_export_round_trip_and_lossless_decoding(trained_run, trainable_base, tmp_path):
+    out = tmp_path / "heads"
+    adapter = export(trained_run, out)
+    assert sorted(p.name for p in out.iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME, "README.md"])
+    loaded = HiSpecAdapter.from_pretrained(out)
+    a, b = adapter.state_dict_flat(), loaded.state_dict_flat()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    card = (out / "README.md").read_text()
+    assert "trained head" in card and "fingerprint" in card and loaded.config.training["steps"] == 30
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(out))
+    assert model.policy("hispec").draft_layer == 1 and model.policy("hispec").verify_layer == 3
+    prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 plus 4?"}],
+                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = torch.tensor([prompt])
+    ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+    assert model.generate([prompt], max_new_tokens=20).sequences[0] == ref[0, len(prompt):].tolist()[:20]
+
+
+def test_resume_after_kill_matches_uninterrupted_run(trainable_base, data_file, tmp_path, monkeypatch):
+    full = train(_cfg(trainable_base, data_file, tmp_path / "full"))
+    calls = {"n": 0}
+    real = trainer_mod.base_forward
+
+    def dying(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 16:  # mid-way between the checkpoints at steps 10 and 20
+            raise KeyboardInterrupt("simulated kill")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "base_forward", dying)
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(trainable_base, data_file, tmp_path / "killed"))
+    state = json.loads((tmp_path / "killed" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 10
+    monkeypatch.setattr(trainer_mod, "base_forward", real)
+    resumed = train(_cfg(trainable_base, data_file, tmp_path / "killed", resume="true"))
+    a = HiSpecAdapter.from_pretrained(full / "checkpoint").state_dict_flat()
+    b = HiSpecAdapter.from_pretrained(resumed / "checkpoint").state_dict_flat()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_two_processes_train_the_same_heads_as_one(trainable_base, data_file, tmp_path):
+    """2 CPU processes (gloo) with batch B each == 1 process with batch 2B (same global batch)."""
+    common = ["--base", str(trainable_base), "--dataset", str(data_file), "--heads-layers", "1,3", "--seq-len", "32",
+              "--max-steps", "6", "--eval-every", "6", "--save-every", "6", "--lr", "3e-3", "--warmup-steps", "2",
+              "--max-tokens", "none", "--report-to", "none", "--eval-batches", "1"]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}  # what `accelerate launch --cpu` sets
+    script = str(ROOT / "scripts" / "train_heads.py")
+    subprocess.run([sys.executable, script, *common, "--batch-size", "4", "--output-dir", str(tmp_path / "one")],
+                   check=True, env=env, capture_output=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+                    script, *common, "--batch-size", "2", "--output-dir", str(tmp_path / "two")],
+                   check=True, env=env, capture_output=True)
+    a = HiSpecAdapter.from_pretrained(tmp_path / "one" / "checkpoint").state_dict_flat()
+    b = HiSpecAdapter.from_pretrained(tmp_path / "two" / "checkpoint").state_dict_flat()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+def test_every_recipe_validates():
+    recipes = sorted((ROOT / "recipes").glob("*.yaml"))
+    assert {r.stem for r in recipes} >= {"smollm2-135m", "llama-3-8b", "llama-2-7b", "codellama-34b", "qwen3-8b",
+                                         "qwen2.5-7b", "opt-6.7b"}
+    for recipe in recipes:
+        cfg = load_config(recipe, {})
+        assert len(cfg.heads_layers) == 2
+    override = load_config(ROOT / "recipes" / "smollm2-135m.yaml", {"max_steps": "7", "heads_layers": "2,6"})
+    assert override.max_steps == 7 and override.heads_layers == [2, 6]
+
+
+def test_bad_input_fails_early(trainable_base, data_file, tmp_path):
+    with pytest.raises(HiSpecError, match="unknown head type"):
+        _cfg(trainable_base, data_file, tmp_path / "r", head_type="mixture")
+    with pytest.raises(HiSpecError, match="increasing"):
+        _cfg(trainable_base, data_file, tmp_path / "r", heads_layers="3,1")
+    with pytest.raises(HiSpecError, match="unknown config keys"):
+        load_config(None, {"learning_rate": "1"})
+    with pytest.raises(HiSpecError, match="out of range"):
+        train(_cfg(trainable_base, data_file, tmp_path / "r", heads_layers="2,6"))
+    with pytest.raises(HiSpecError, match="not found"):
+        train(_cfg(trainable_base, tmp_path / "missing.jsonl", tmp_path / "r"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"conversations": [{"from": "human", "value": "hi"}]}\n{"other": 1}\n')
+    with pytest.raises(HiSpecError, match="no usable records"):
+        train(_cfg(trainable_base, empty, tmp_path / "r"))
+
+
+def test_heads_trained_for_another_base_are_refused(trained_run, tmp_path):
+    out = tmp_path / "heads"
+    export(trained_run, out)
+    other = tmp_path / "other"
+    save_tiny("llama", other, seed=3)
+    save_char_tokenizer(other)
+    with pytest.raises(FingerprintMismatchError, match="trained for base"):
+        HiSpecModel.from_pretrained(str(other), heads=str(out))
+
+
+def test_truncated_json_array_is_read_record_by_record(tmp_path):
+    path = tmp_path / "cut.json"
+    records = [{"id": i, "conversations": [{"from": "gpt", "value": "x" * i}]} for i in range(5)]
+    text = json.dumps(records, indent=2)
+    path.write_text(text[: len(text) - 30])  # cut inside the last record
+    got, skipped = read_json_records(path)
+    assert [r["id"] for r in got] == [0, 1, 2, 3] and skipped == 1
