@@ -27,7 +27,8 @@ def _first_matrix(module: nn.Module) -> torch.Tensor:
 
 def _sample(t: torch.Tensor) -> list[float]:
     flat = t.detach().reshape(-1)
-    idx = torch.linspace(0, flat.numel() - 1, SAMPLES_PER_TENSOR).round().long()
+    n = flat.numel()
+    idx = torch.tensor([i * (n - 1) // (SAMPLES_PER_TENSOR - 1) for i in range(SAMPLES_PER_TENSOR)])
     return [float(x) for x in flat[idx].float().cpu()]
 
 
