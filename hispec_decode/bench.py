@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .cli import add_model_args, add_policy_args
-from .prompts import CHAT_PROMPTS, encode_prompt
+from .prompts import CHAT_PROMPTS, encode_prompt, prompt_set
 from .strategies import Counters
 
 logger = logging.getLogger(__name__)
@@ -84,17 +84,22 @@ def verification_wall(model, policy, prompt: list[int], reps: int = 10) -> dict[
             "verify_pass_ms": 1000 * wide, "verify_over_full": wide / full}
 
 
+def bench_prompts(model, n: int, prompt_set_name: str = "builtin") -> list[list[int]]:
+    """Chat prompts rendered with the tokenizer, or seeded random ids for a base without one."""
+    if model.tokenizer is not None:
+        return [encode_prompt(model.tokenizer, t) for t in prompt_set(prompt_set_name, n)]
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, model.arch.vocab_size, (8 + 5 * i,), generator=g).tolist() for i in range(n)]
+
+
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from .model import HiSpecModel
 
-    results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "dtypes": {}}
+    results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
+                               "num_prompts": args.num_prompts, "dtypes": {}}
     for dtype in args.dtypes.split(","):
         model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=dtype)
-        if model.tokenizer is not None:
-            prompts = [encode_prompt(model.tokenizer, t) for t in CHAT_PROMPTS[: args.num_prompts]]
-        else:  # a base without a tokenizer: seeded random prompts of mixed lengths
-            g = torch.Generator().manual_seed(0)
-            prompts = [torch.randint(0, model.arch.vocab_size, (8 + 5 * i,), generator=g).tolist() for i in range(args.num_prompts)]
+        prompts = bench_prompts(model, args.num_prompts, args.prompts)
         policy_args = dict(draft_layer=args.draft_layer, verify_layer=args.verify_layer, window=args.window, num_draft=args.num_draft)
         methods = [m for m in args.methods.split(",") if m]
         tallies = {m: Tally() for m in methods}
@@ -158,16 +163,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=len(CHAT_PROMPTS))
+    p.add_argument("--prompts", default="builtin", choices=["builtin", "sharegpt", "humaneval", "mixed"],
+                   help="prompt set: built-in chat prompts, ShareGPT first turns, HumanEval problems, or half/half")
     p.add_argument("--json", type=Path, default=None, help="write the numbers to this file")
+    p.add_argument("--sweep", type=Path, nargs="?", const=Path("docs"), default=None, metavar="DIR",
+                   help="sweep hispec/self_spec policies instead (JSON, table and plot per dtype to DIR, default docs/)")
     add_policy_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.sweep is not None:
+        return _sweep(args)
     results = run_benchmark(args)
     print(format_table(results))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
         print(f"wrote {args.json}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from .model import HiSpecModel
+    from .sweep import run_sweep, write_sweep
+
+    for dtype in args.dtypes.split(","):
+        model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=dtype)
+        policy = model.policy("hispec", draft_layer=args.draft_layer, verify_layer=args.verify_layer)
+        rows = run_sweep(model, policy, bench_prompts(model, args.num_prompts, args.prompts), args.max_new_tokens)
+        write_sweep(rows, args.sweep, dtype)
+        best = max(rows, key=lambda r: r["speedup_vs_autoregressive"])
+        print(f"{dtype}: best {best['config']} at {best['speedup_vs_autoregressive']:.2f}x autoregressive; "
+              f"table: {args.sweep / f'sweep-{dtype}.md'}")
     return 0
 
 

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 # depth: the draft exit at ~1/8, the intermediate exit at ~1/4 of the layers.
 DEFAULT_DRAFT_FRACTION = 1 / 8
 DEFAULT_VERIFY_FRACTION = 1 / 4
+NO_HEADS = "none"
+DEFAULT_HEADS_DIR = Path(__file__).parent / "default_heads" / "smollm2-135m"  # trained by recipes/smollm2-135m.yaml
 DEFAULT_WINDOW = 4  # N_i
 DEFAULT_NUM_DRAFT = {"self_spec": 4, "hispec": 2}  # k and k_d
 
@@ -60,9 +63,15 @@ class HiSpecModel:
     ) -> HiSpecModel:
         """Load a base (``None``: the embedded SmolLM2-135M-Instruct) and optional heads
         (a local adapter directory or a Hub repo id; ``revision`` applies to the heads).
+        With ``base=None`` and ``heads=None`` the trained default heads shipped with HiSpec are
+        used; ``heads="none"`` forces the untrained exits (the base's norm + LM head).
 
         ``pack_weights``: on CPU, keep oneDNN-packed copies of the linear weights (about 2x
         faster decoding for a second copy of those weights in memory)."""
+        if heads is None and base is None and DEFAULT_HEADS_DIR.is_dir():
+            heads = DEFAULT_HEADS_DIR
+        if heads is not None and str(heads).lower() == NO_HEADS:
+            heads = None
         adapter = HiSpecAdapter.from_pretrained(heads, revision=revision) if heads is not None else None
         loaded = load_base(base, dtype)
         if adapter is not None:

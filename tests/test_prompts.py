@@ -1,0 +1,21 @@
+"""Benchmark prompt sets from the data packages (ShareGPT, HumanEval)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hispec_decode import HiSpecError
+from hispec_decode.prompts import CHAT_PROMPTS, prompt_set
+
+
+def test_prompt_sets():
+    assert prompt_set("builtin", 3) == CHAT_PROMPTS[:3]
+    share = prompt_set("sharegpt", 4)
+    assert len(share) == 4 and len(set(share)) == 4 and all(20 <= len(p) <= 1500 for p in share)
+    code = prompt_set("humaneval", 3)
+    assert all(p.startswith("Complete the following Python function.") and "def " in p for p in code)
+    mixed = prompt_set("mixed", 5)
+    assert len(mixed) == 5 and sum("```python" in p for p in mixed) >= 2
+    assert prompt_set("sharegpt", 4) == share  # seeded: the same prompts every run
+    with pytest.raises(HiSpecError, match="unknown prompt set"):
+        prompt_set("mmlu", 2)
