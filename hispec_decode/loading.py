@@ -113,8 +113,29 @@ def _load_tokenizer(source: str) -> object | None:
         return None
 
 
+PEFT_CONFIG = "adapter_config.json"
+
+
+def _load_peft(path: Path, dtype: torch.dtype) -> LoadedBase:
+    """A PEFT LoRA adapter directory: load the base it names, apply and merge the adapter."""
+    try:
+        from peft import PeftModel
+    except ImportError as exc:
+        raise HiSpecError(f"{path} is a PEFT adapter; install peft to load it (pip install 'hispec[peft]')") from exc
+    base_name = json.loads((path / PEFT_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base_name:
+        raise HiSpecError(f"{path / PEFT_CONFIG} does not name its base model (base_model_name_or_path)")
+    inner = load_base(base_name, dtype)
+    merged = PeftModel.from_pretrained(inner.model, str(path)).merge_and_unload()
+    tokenizer = _load_tokenizer(str(path)) or inner.tokenizer
+    logger.info("merged PEFT adapter %s into %s", path, base_name)
+    return LoadedBase(merged.eval().requires_grad_(False), tokenizer, str(path))
+
+
 def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32") -> LoadedBase:
-    """Load a supported causal LM, frozen and in eval mode. ``trust_remote_code`` stays off."""
+    """Load a supported causal LM, frozen and in eval mode. ``trust_remote_code`` stays off.
+
+    A PEFT LoRA adapter directory (``adapter_config.json`` naming its base) is loaded and merged."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch_dtype = parse_dtype(dtype)
@@ -123,6 +144,8 @@ def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = 
     else:
         source = name = str(base)
     path = Path(source)
+    if (path / PEFT_CONFIG).is_file():
+        return _load_peft(path, torch_dtype)
     if source.endswith(".gguf"):
         if not path.is_file():
             raise HiSpecError(f"GGUF file {source} not found")
