@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from hispec_decode.adapter import ExitSpec, HiSpecAdapter
 from hispec_decode.architectures import DecoderAdapter, adapter_for
+from hispec_decode.heads import BaseExitHead
 from hispec_decode.loading import load_base
 
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -115,7 +116,7 @@ def train(cfg: TrainConfig) -> Path:
         "dataset": cfg.dataset, "records_used": data.records_used, "records_skipped": data.records_skipped,
         "train_tokens_available": int(data.train.numel()), "seq_len": cfg.seq_len, "head_type": cfg.head_type})
     adapter.to(accelerator.device)
-    untrained = evaluate(cfg, base, {l: _base_head(adapter, l) for l in cfg.heads_layers}, data.eval)
+    untrained = evaluate(cfg, base, {l: BaseExitHead(adapter.config.hidden_size) for l in cfg.heads_layers}, data.eval)
     loss_module = HeadsLoss(adapter, base, LossConfig(cfg.kd_temperature, cfg.ce_weight, cfg.chunk_size))
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     loss_module, optimizer = accelerator.prepare(loss_module, optimizer)
@@ -164,10 +165,3 @@ def train(cfg: TrainConfig) -> Path:
         accelerator.wait_for_everyone()
     accelerator.end_training()
     return run_dir
-
-
-def _base_head(adapter: HiSpecAdapter, layer: int) -> nn.Module:
-    """The untrained exit at ``layer`` (the base's norm + LM head), for comparison."""
-    from hispec_decode.heads import BaseExitHead
-
-    return BaseExitHead(adapter.config.hidden_size)
