@@ -28,8 +28,10 @@ DEFAULT_DRAFT_FRACTION = 1 / 8
 DEFAULT_VERIFY_FRACTION = 1 / 4
 NO_HEADS = "none"
 DEFAULT_HEADS_DIR = Path(__file__).parent / "default_heads" / "smollm2-135m"  # trained by recipes/smollm2-135m.yaml
-DEFAULT_WINDOW = 4  # N_i
-DEFAULT_NUM_DRAFT = {"self_spec": 4, "hispec": 2}  # k and k_d
+# Best configurations of `hispec-bench --sweep` with the default heads (docs/sweep-bfloat16.md):
+# with ~31% agreement per token, short drafts and windows waste least.
+DEFAULT_WINDOW = 2  # N_i
+DEFAULT_NUM_DRAFT = {"self_spec": 1, "hispec": 1}  # k and k_d
 
 
 @dataclass
