@@ -22,8 +22,10 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype)
+    heads = ("none (exits use the base norm + LM head)" if model.adapter is None else
+             ", ".join(f"L{e.layer} {e.role} ({e.head_type})" for e in model.adapter.config.exits))
     print(f"loaded {model.base_name} ({model.num_layers} layers, {args.dtype}) in {time.perf_counter() - t0:.1f}s; "
-          f"heads: {args.heads or 'none (exits use the base norm + LM head)'}; policy {model.policy('hispec')}\n")
+          f"heads: {heads}; policy {model.policy('hispec')}\n")
     model.generate([encode_prompt(model.tokenizer, "Hi")], max_new_tokens=4, method="autoregressive")  # warm-up
     for text in CHAT_PROMPTS[: args.num_prompts]:
         ids = encode_prompt(model.tokenizer, text)
