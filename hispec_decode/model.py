@@ -167,8 +167,7 @@ class HiSpecModel:
         for run in runs:
             counters.add(run.counters)
         sequences = [run.tokens[run.prompt_length :] for run in runs]
-        policy = self.policy(method, draft_layer, verify_layer, window, num_draft)
-        return GenerateOutput(sequences, _stats(method, policy, counters, sequences, seconds))
+        return GenerateOutput(sequences, _stats(method, runs[0].policy, counters, sequences, seconds))
 
     def decode(
         self,
@@ -199,8 +198,8 @@ class HiSpecModel:
         runs = []
         for prompt in rows:
             limit = min(len(prompt) + max_new_tokens, self.arch.max_positions)
-            run = Run(self.engine, self.engine.new_state(prompt, exits, limit), sampler, limit, eos, len(prompt))
-            strategy.decode(run, policy)
+            run = Run(self.engine, self.engine.new_state(prompt, exits, limit), sampler, limit, eos, len(prompt), policy)
+            strategy.decode(run)
             runs.append(run)
         return runs
 

@@ -52,6 +52,7 @@ class Run:
     limit: int  # maximum total length (prompt + new tokens), within the context
     eos: frozenset[int]
     prompt_length: int
+    policy: Policy
     counters: Counters = field(default_factory=Counters)
     finished: bool = False
 
@@ -101,8 +102,8 @@ class Strategy(ABC):
         """Band tops this strategy splits the model at."""
 
     @abstractmethod
-    def decode(self, run: Run, policy: Policy) -> None:
-        """Extend ``run.tokens`` until EOS or the limit."""
+    def decode(self, run: Run) -> None:
+        """Extend ``run.tokens`` until EOS or the limit, under ``run.policy``."""
 
 
 class Autoregressive(Strategy):
@@ -111,7 +112,7 @@ class Autoregressive(Strategy):
     def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
         return (num_layers,)
 
-    def decode(self, run: Run, policy: Policy) -> None:
+    def decode(self, run: Run) -> None:
         while not run.finished:
             h = run.engine.advance(run.state, 0)
             run.counters.calls_full += 1
@@ -127,8 +128,8 @@ class SelfSpec(Strategy):
     def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
         return (policy.draft_layer, num_layers)
 
-    def decode(self, run: Run, policy: Policy) -> None:
-        full = run.engine.base.num_layers
+    def decode(self, run: Run) -> None:
+        full, policy = run.engine.base.num_layers, run.policy
         while not run.finished:
             start = len(run.tokens)
             drafts, q = run.draft(policy.draft_layer, policy.num_draft)
@@ -149,8 +150,8 @@ class HiSpec(Strategy):
     def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
         return (policy.draft_layer, policy.verify_layer, num_layers)
 
-    def decode(self, run: Run, policy: Policy) -> None:
-        engine, full = run.engine, run.engine.base.num_layers
+    def decode(self, run: Run) -> None:
+        engine, full, policy = run.engine, run.engine.base.num_layers, run.policy
         while not run.finished:
             start = len(run.tokens)  # tokens[start:] are tentative: accepted by L_i, not yet by L_f
             proposals: list[torch.Tensor] = []  # L_i's distribution of each tentative token
