@@ -2,8 +2,8 @@
 
 No modeling file is copied: each adapter reads the model's modules (projections, norms, rotary
 embedding, MLP) and calls them, adding only what the engine needs: an explicit write position
-in a :class:`~hispec_decode.kv_cache.LayeredKVCache`, explicit attention metadata, and the
-ability to start and stop at any layer (``run(h, lo, hi)`` runs ``layers[lo:hi]``).
+in a :class:`~hispec_decode.paged_cache.PagedKVCache`, explicit attention metadata for a ragged
+batch, and the ability to start and stop at any layer (``run(h, lo, hi)`` runs ``layers[lo:hi]``).
 
 For speed the q/k/v projections and the MLP's gate/up projections are fused into one matmul
 each, and on CPU every linear runs on oneDNN-packed weights (see :mod:`hispec_decode.linear`).
@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMeta, attend
+from .attention import AttentionMeta, attend, build_meta
 from .errors import UnsupportedArchitectureError
-from .kv_cache import LayeredKVCache
+from .paged_cache import PagedKVCache
 from .linear import FusedLinear
 
 
@@ -52,8 +52,8 @@ class DecoderAdapter(ABC):
         """Token ids [T] -> input hidden states [1, T, hidden]."""
 
     @abstractmethod
-    def layer(self, i: int, h: torch.Tensor, meta: AttentionMeta, cache: LayeredKVCache) -> torch.Tensor:
-        """Run decoder layer ``i`` on [1, T, hidden], appending its K/V at ``meta.start``."""
+    def layer(self, i: int, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache) -> torch.Tensor:
+        """Run decoder layer ``i`` on the packed new tokens [1, T, hidden], writing their K/V."""
 
     @abstractmethod
     def norm_params(self) -> dict[str, torch.Tensor]:
@@ -72,11 +72,11 @@ class DecoderAdapter(ABC):
     def head_dim(self) -> int: ...
 
     # -- shared ---------------------------------------------------------------------------
-    def meta(self, start: int, num_new: int) -> AttentionMeta:
-        positions = torch.arange(start, start + num_new, device=self.device)
-        return AttentionMeta(positions=positions, start=start)
+    def meta(self, cache: PagedKVCache, spans: list[tuple[int, int, int]]) -> AttentionMeta:
+        """Metadata of one packed call: ``spans`` holds ``(seq_id, start, num_new)`` per sequence."""
+        return build_meta(cache, spans)
 
-    def run(self, h: torch.Tensor, lo: int, hi: int, meta: AttentionMeta, cache: LayeredKVCache) -> torch.Tensor:
+    def run(self, h: torch.Tensor, lo: int, hi: int, meta: AttentionMeta, cache: PagedKVCache) -> torch.Tensor:
         """Run ``layers[lo:hi]``."""
         for i in range(lo, hi):
             h = self.layer(i, h, meta, cache)
@@ -89,8 +89,10 @@ class DecoderAdapter(ABC):
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_logits(self.exit_norm(h))
 
-    def new_cache(self, capacity: int) -> LayeredKVCache:
-        return LayeredKVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
+    def new_cache(self, num_blocks: int, block_size: int, extra_layers: int = 0) -> PagedKVCache:
+        """A paged cache for every layer plus ``extra_layers`` (exit heads with attention)."""
+        return PagedKVCache(self.num_layers + extra_layers, self.num_kv_heads, self.head_dim, num_blocks,
+                            block_size, self.dtype, self.device)
 
 
 def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -142,21 +144,23 @@ class LlamaAdapter(DecoderAdapter):
             self._rope = (cos[:, None], sin[:, None])
         return self._rope
 
-    def meta(self, start: int, num_new: int) -> AttentionMeta:
-        meta = super().meta(start, num_new)
+    def meta(self, cache: PagedKVCache, spans: list[tuple[int, int, int]]) -> AttentionMeta:
+        meta = super().meta(cache, spans)
         if self._static_rope:
-            cos, sin = self.rope_table(start + num_new)
-            meta.rope = (cos[:, :, start : start + num_new], sin[:, :, start : start + num_new])
-        else:  # length-dependent rope (dynamic NTK, longrope): computed for these positions
+            cos, sin = self.rope_table(max(start + n for _, start, n in spans))
+            idx = meta.contiguous_positions or meta.positions
+            meta.rope = (cos[:, :, idx], sin[:, :, idx])
+        else:  # length-dependent rope (dynamic NTK, longrope): per sequence, for these positions
             probe = torch.empty(0, dtype=self.dtype, device=self.device)
-            cos, sin = self.inner.rotary_emb(probe, meta.positions[None])
-            meta.rope = (cos[:, None], sin[:, None])
+            parts = [self.inner.rotary_emb(probe, meta.positions[None, s.offset : s.offset + s.num_new])
+                     for s in meta.segments]
+            meta.rope = (torch.cat([c for c, _ in parts], 1)[:, None], torch.cat([s for _, s in parts], 1)[:, None])
         return meta
 
     def embed(self, tokens: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         return self.inner.embed_tokens(tokens[None])
 
-    def layer(self, i: int, h: torch.Tensor, meta: AttentionMeta, cache: LayeredKVCache) -> torch.Tensor:
+    def layer(self, i: int, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache) -> torch.Tensor:
         block, attn, d = self.layers[i], self.layers[i].self_attn, self._head_dim
         T = h.shape[1]
         x = _rms(h, block.input_layernorm)
@@ -168,9 +172,7 @@ class LlamaAdapter(DecoderAdapter):
         cos, sin = meta.rope
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        k, v = cache.append(i, meta.start, k, v)
-        o = attend(q, k, v, meta.mask(self.windows[i]), attn.scaling)
-        h = h + self.o_proj[i](o)
+        h = h + self.o_proj[i](attend(q, k, v, meta, cache, i, attn.scaling, self.windows[i]))
         x = _rms(h, block.post_attention_layernorm)
         gate, up = self.gate_up[i].split(x)
         return h + self.down[i](block.mlp.act_fn(gate) * up)
@@ -213,15 +215,14 @@ class OPTAdapter(DecoderAdapter):
         pos = self.inner.embed_positions
         return x + pos.weight[meta.positions + pos.offset][None]
 
-    def layer(self, i: int, h: torch.Tensor, meta: AttentionMeta, cache: LayeredKVCache) -> torch.Tensor:
+    def layer(self, i: int, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache) -> torch.Tensor:
         block, attn, d = self.layers[i], self.layers[i].self_attn, self._head_dim
         T = h.shape[1]
         x = block.self_attn_layer_norm(h) if self.pre_ln else h
         q, k, v = self.qkv[i].split(x)
         q = q * attn.scaling  # OPT scales the projected queries, then attends with scale 1
         q, k, v = (t.view(1, T, -1, d).transpose(1, 2) for t in (q, k, v))
-        k, v = cache.append(i, meta.start, k, v)
-        h = h + self.out_proj[i](attend(q, k, v, meta.mask(), 1.0))
+        h = h + self.out_proj[i](attend(q, k, v, meta, cache, i, 1.0))
         if not self.pre_ln:
             h = block.self_attn_layer_norm(h)
         x = block.final_layer_norm(h) if self.pre_ln else h

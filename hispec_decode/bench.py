@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .cli import add_model_args, add_policy_args
+from .engine import Advance
 from .prompts import CHAT_PROMPTS, encode_prompt, prompt_set
 from .strategies import Counters
 
@@ -64,22 +65,21 @@ def verification_wall(model, policy, prompt: list[int], reps: int = 10) -> dict[
     """Median seconds of a single-token draft pass (layers 0..L_d plus the draft exit), a
     single-token full pass, and a full pass over ``window + 1`` tokens (a verification)."""
     engine, n = model.engine, model.num_layers
-    st = engine.new_state(prompt, (policy.draft_layer, n), len(prompt) + policy.window + 1)
-    engine.advance(st, 1)
+    cache = engine.new_cache(-(-(len(prompt) + policy.window + 1) // 16) + 1)
+    st = engine.new_state(cache, 0, prompt, (policy.draft_layer, n))
+    engine.advance([Advance(st, 1, 1)])
 
-    def timed(new_tokens: int, fn) -> float:
+    def timed(new_tokens: int, top: int) -> float:
         times = []
         for _ in range(reps):
             engine.truncate(st, len(prompt))
             st.tokens.extend(prompt[-new_tokens:])
             t0 = time.perf_counter()
-            fn()
+            engine.advance([Advance(st, top, new_tokens)])
             times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]
 
-    draft = timed(1, lambda: engine.logits(policy.draft_layer, engine.advance(st, 0)[:, -1:]))
-    full = timed(1, lambda: engine.logits(n, engine.advance(st, 1)[:, -1:]))
-    wide = timed(policy.window + 1, lambda: engine.logits(n, engine.advance(st, 1)[:, -policy.window - 1 :]))
+    draft, full, wide = timed(1, 0), timed(1, 1), timed(policy.window + 1, 1)
     return {"full_pass_ms": 1000 * full, "draft_pass_ms": 1000 * draft, "full_over_draft": full / draft,
             "verify_pass_ms": 1000 * wide, "verify_over_full": wide / full}
 
@@ -105,7 +105,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         tallies = {m: Tally() for m in methods}
         for m in methods:  # warm-up: first calls allocate and tune kernels
             if m != "transformers":
-                model.decode([prompts[0]], max_new_tokens=8, method=m, **policy_args)
+                model.generate([prompts[0]], max_new_tokens=8, method=m, **policy_args)
             else:
                 _hf_generate(model, prompts[0], 8)
         for i, prompt in enumerate(tqdm(prompts, desc=f"bench {dtype}", unit="prompt")):
@@ -115,7 +115,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     tokens = _hf_generate(model, prompt, args.max_new_tokens)
                     counters = Counters()
                 else:
-                    (run,) = model.decode([prompt], max_new_tokens=args.max_new_tokens, method=m, **policy_args)
+                    (run,) = model.generate([prompt], max_new_tokens=args.max_new_tokens, method=m, **policy_args).runs
                     tokens, counters = run.tokens[len(prompt):], run.counters
                 tally = tallies[m]
                 tally.seconds += time.perf_counter() - t0

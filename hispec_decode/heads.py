@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 class ExitHead(nn.Module):
     head_type: ClassVar[str]
+    has_cache: ClassVar[bool] = False  # True: the head attends to past positions (own K/V entries)
 
     def __init__(self, hidden_size: int, norm_keys: list[str]) -> None:
         super().__init__()
@@ -34,10 +35,14 @@ class ExitHead(nn.Module):
     def transform(self, h: torch.Tensor) -> torch.Tensor:
         return h
 
-    def forward(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
-        """[..., hidden] -> logits [..., vocab]."""
+    def project(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
+        """The head's norm and the shared LM head: transformed [..., hidden] -> logits [..., vocab]."""
         params = dict(self.norm.items()) if len(self.norm) else None
-        return base.lm_logits(base.exit_norm(self.transform(h), params))
+        return base.lm_logits(base.exit_norm(h, params))
+
+    def forward(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
+        """Hidden states after the exit layer [..., hidden] -> logits [..., vocab]."""
+        return self.project(self.transform(h), base)
 
     @classmethod
     def from_base(cls, base: DecoderAdapter, **options: Any) -> ExitHead:
@@ -58,7 +63,7 @@ class BaseExitHead(ExitHead):
     def __init__(self, hidden_size: int, norm_keys: list[str] | None = None) -> None:
         super().__init__(hidden_size, [])
 
-    def forward(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
+    def project(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
         return base.final_logits(h)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,7 +17,9 @@ from .engine import Engine
 from .errors import AdapterError, HiSpecError
 from .fingerprint import compute_fingerprint
 from .loading import LoadedBase, load_base
+from .block_manager import DEFAULT_BLOCK_SIZE
 from .sampling import SamplingParams, TokenSampler
+from .serving import VERIFY_POLICIES, ServingEngine
 from .strategies import STRATEGIES, Counters, Policy, Run
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ DEFAULT_NUM_DRAFT = {"self_spec": 1, "hispec": 1}  # k and k_d
 class GenerateOutput:
     sequences: list[list[int]]  # the new tokens of each row (EOS included if produced)
     stats: dict[str, Any]
+    runs: list[Run] = field(default_factory=list, repr=False)  # each row's finished run (tokens, counters)
 
 
 class HiSpecModel:
@@ -142,6 +145,29 @@ class HiSpecModel:
             return frozenset()
         return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
 
+    def serve(self, method: str = "hispec", draft_layer: int | None = None, verify_layer: int | None = None,
+              window: int | None = None, num_draft: int | None = None, num_blocks: int = 1024,
+              block_size: int = DEFAULT_BLOCK_SIZE, verify: str = "eager") -> ServingEngine:
+        """A continuous-batching engine (``add_request`` / ``step`` / ``stream``) over a paged KV
+        cache of ``num_blocks`` blocks of ``block_size`` tokens."""
+        if method not in STRATEGIES:
+            raise HiSpecError(f"unknown method {method!r}; choose one of {', '.join(STRATEGIES)}")
+        if verify not in VERIFY_POLICIES:
+            raise HiSpecError(f"verify policy must be one of {', '.join(VERIFY_POLICIES)}; got {verify!r}")
+        policy = self.policy(method, draft_layer, verify_layer, window, num_draft)
+        cache = self.engine.new_cache(num_blocks, block_size)
+        return ServingEngine(self.engine, STRATEGIES[method], policy, cache, verify)
+
+    def add_request(self, server: ServingEngine, prompt: Sequence[int], max_new_tokens: int = 64,
+                    sampling: SamplingParams | None = None, seed: int | None = None,
+                    eos_token_id: int | Sequence[int] | None = None) -> int:
+        """Validate a prompt and queue it on ``server``; returns its request id."""
+        _check_max_new_tokens(max_new_tokens)
+        (row,) = self._rows([prompt])
+        limit = min(len(row) + max_new_tokens, self.arch.max_positions)
+        sampler = TokenSampler(sampling or SamplingParams(), seed)
+        return server.add_request(row, sampler, limit, self._eos(eos_token_id))
+
     def generate(
         self,
         input_ids: torch.Tensor | Sequence[Sequence[int]],
@@ -157,51 +183,44 @@ class HiSpecModel:
         window: int | None = None,
         num_draft: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
+        num_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        verify: str = "eager",
     ) -> GenerateOutput:
-        """Decode each row; greedy output equals the base model's, sampled output is distributed as it."""
+        """Decode all rows as one continuous batch (prompts may differ in length; each row
+        accepts its own number of tokens). Greedy output equals the base model's, sampled output
+        is distributed as it. ``num_blocks`` (default: enough for every row) sizes the paged
+        KV cache; a smaller cache preempts and recomputes rows, never changing a token.
+        Row ``i`` samples with seed ``seed + i``."""
+        _check_max_new_tokens(max_new_tokens)
+        rows = self._rows(input_ids)
+        if num_blocks is None:
+            num_blocks = sum(-(-min(len(r) + max_new_tokens, self.arch.max_positions) // block_size) for r in rows)
+        server = self.serve(method, draft_layer, verify_layer, window, num_draft, num_blocks, block_size, verify)
+        params = SamplingParams(do_sample, temperature, top_k, top_p)
         t0 = time.perf_counter()
-        runs = self.decode(input_ids, max_new_tokens, method, do_sample, temperature, top_k, top_p, seed,
-                           draft_layer, verify_layer, window, num_draft, eos_token_id)
+        ids = [self.add_request(server, r, max_new_tokens, params, None if seed is None else seed + i, eos_token_id)
+               for i, r in enumerate(rows)]
+        peak = 0
+        while server.has_unfinished():
+            server.step()
+            peak = max(peak, server.cache.manager.usage()["slots_held"])
         seconds = time.perf_counter() - t0
+        runs = [server.done[i] for i in ids]
         counters = Counters()
         for run in runs:
             counters.add(run.counters)
         sequences = [run.tokens[run.prompt_length :] for run in runs]
-        return GenerateOutput(sequences, _stats(method, runs[0].policy, counters, sequences, seconds))
+        stats = _stats(method, server.policy, counters, sequences, seconds)
+        stats.update(steps=server.steps, preemptions=server.preemptions,
+                     peak_cache_bytes=peak * server.cache.bytes_per_token(),
+                     needed_cache_bytes=sum(len(r.tokens) for r in runs) * server.cache.bytes_per_token())
+        return GenerateOutput(sequences, stats, runs)
 
-    def decode(
-        self,
-        input_ids: torch.Tensor | Sequence[Sequence[int]],
-        max_new_tokens: int = 64,
-        method: str = "hispec",
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        draft_layer: int | None = None,
-        verify_layer: int | None = None,
-        window: int | None = None,
-        num_draft: int | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-    ) -> list[Run]:
-        """Like :meth:`generate`, but returns each row's finished :class:`Run` (tokens, cache, counters)."""
-        if method not in STRATEGIES:
-            raise HiSpecError(f"unknown method {method!r}; choose one of {', '.join(STRATEGIES)}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise HiSpecError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
-        strategy = STRATEGIES[method]
-        policy = self.policy(method, draft_layer, verify_layer, window, num_draft)
-        sampler = TokenSampler(SamplingParams(do_sample, temperature, top_k, top_p), seed)
-        rows, eos = self._rows(input_ids), self._eos(eos_token_id)
-        exits = strategy.exits(policy, self.num_layers)
-        runs = []
-        for prompt in rows:
-            limit = min(len(prompt) + max_new_tokens, self.arch.max_positions)
-            run = Run(self.engine, self.engine.new_state(prompt, exits, limit), sampler, limit, eos, len(prompt), policy)
-            strategy.decode(run)
-            runs.append(run)
-        return runs
+
+def _check_max_new_tokens(max_new_tokens: object) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise HiSpecError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
 
 
 def _ratio(num: int, den: int) -> float | None:

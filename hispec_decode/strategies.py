@@ -1,20 +1,28 @@
 """Decoding strategies: autoregressive, single-level self-speculation, hierarchical HiSpec.
 
-All three share one interface (``decode(run)``), one engine and one cache, so they are
-compared by swapping one argument. Every token that reaches the output has been chosen or
-verified by the full model, so greedy output equals the base model's and sampled output is
-an exact sample of it.
+All three share one interface (``decode(run)``, a generator of engine requests), one engine
+and one cache, so they are compared by swapping one argument. Every token that reaches the
+output has been chosen or verified by the full model, so greedy output equals the base
+model's and sampled output is an exact sample of it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any, Generator
 
 import torch
 
-from .engine import DecodeState, Engine
+from .engine import Advance, DecodeState, Engine
 from .sampling import TokenSampler, Verdict
+
+
+# A strategy's decode loop is a generator: it yields the engine work it needs (an Advance),
+# receives that request's logits, and returns when the run is finished. A scheduler drives
+# many such loops and serves the requests of all of them that need the same layers in one
+# batched forward pass.
+Steps = Generator[Advance, torch.Tensor, Any]
 
 
 @dataclass
@@ -55,6 +63,10 @@ class Run:
     policy: Policy
     counters: Counters = field(default_factory=Counters)
     finished: bool = False
+    committed: int = 0  # tokens[:committed] are final (prompt + verified by the full model)
+
+    def __post_init__(self) -> None:
+        self.committed = max(self.committed, len(self.state.tokens))
 
     @property
     def tokens(self) -> list[int]:
@@ -63,12 +75,13 @@ class Run:
     def room(self) -> int:
         return self.limit - len(self.tokens)
 
-    def draft(self, layer: int, count: int) -> tuple[list[int], torch.Tensor | None]:
-        """Propose up to ``count`` tokens from exit ``layer`` (band 0), stopping at EOS."""
+    def draft(self, layer: int, count: int) -> Steps:
+        """Propose up to ``count`` tokens from exit ``layer`` (band 0), stopping at EOS.
+        Returns ``(drafts, their probabilities or None when greedy)``."""
         drafts, probs = [], []
         while len(drafts) < count and self.room() > 0:
-            h = self.engine.advance(self.state, 0)
-            token, q = self.sampler.choose(self.engine.logits(layer, h[:, -1:]))
+            logits = yield Advance(self.state, 0, 1)
+            token, q = self.sampler.choose(logits)
             self.counters.calls_draft += 1
             self.tokens.append(token)
             drafts.append(token)
@@ -91,6 +104,7 @@ class Run:
         eos_at = next((i for i in range(start, len(self.tokens)) if self.tokens[i] in self.eos), None)
         if eos_at is not None:
             self.engine.truncate(self.state, eos_at + 1)
+        self.committed = len(self.tokens)
         self.finished = eos_at is not None or self.room() == 0
 
 
@@ -102,7 +116,7 @@ class Strategy(ABC):
         """Band tops this strategy splits the model at."""
 
     @abstractmethod
-    def decode(self, run: Run) -> None:
+    def decode(self, run: Run) -> Steps:
         """Extend ``run.tokens`` until EOS or the limit, under ``run.policy``."""
 
 
@@ -112,11 +126,11 @@ class Autoregressive(Strategy):
     def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
         return (num_layers,)
 
-    def decode(self, run: Run) -> None:
+    def decode(self, run: Run) -> Steps:
         while not run.finished:
-            h = run.engine.advance(run.state, 0)
+            logits = yield Advance(run.state, 0, 1)
             run.counters.calls_full += 1
-            token, _ = run.sampler.choose(run.engine.logits(run.engine.base.num_layers, h[:, -1:]))
+            token, _ = run.sampler.choose(logits)
             run.commit(len(run.tokens), Verdict(0, token, None))
 
 
@@ -128,14 +142,13 @@ class SelfSpec(Strategy):
     def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
         return (policy.draft_layer, num_layers)
 
-    def decode(self, run: Run) -> None:
-        full, policy = run.engine.base.num_layers, run.policy
+    def decode(self, run: Run) -> Steps:
         while not run.finished:
             start = len(run.tokens)
-            drafts, q = run.draft(policy.draft_layer, policy.num_draft)
-            h = run.engine.advance(run.state, 1)
+            drafts, q = yield from run.draft(run.policy.draft_layer, run.policy.num_draft)
+            logits = yield Advance(run.state, 1, len(drafts) + 1)
             run.counters.calls_full += 1
-            verdict = run.sampler.verify(drafts, q, run.engine.logits(full, h[:, -len(drafts) - 1 :]))
+            verdict = run.sampler.verify(drafts, q, logits)
             run.counters.tentative += len(drafts)
             run.counters.accepted_final += verdict.accepted
             run.commit(start, verdict)
@@ -150,17 +163,17 @@ class HiSpec(Strategy):
     def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
         return (policy.draft_layer, policy.verify_layer, num_layers)
 
-    def decode(self, run: Run) -> None:
-        engine, full, policy = run.engine, run.engine.base.num_layers, run.policy
+    def decode(self, run: Run) -> Steps:
+        policy = run.policy
         while not run.finished:
             start = len(run.tokens)  # tokens[start:] are tentative: accepted by L_i, not yet by L_f
             proposals: list[torch.Tensor] = []  # L_i's distribution of each tentative token
             while True:
                 first = len(run.tokens)
-                drafts, q = run.draft(policy.draft_layer, policy.num_draft)
-                h = engine.advance(run.state, 1)
+                drafts, q = yield from run.draft(policy.draft_layer, policy.num_draft)
+                logits = yield Advance(run.state, 1, len(drafts) + 1)
                 run.counters.calls_intermediate += 1
-                verdict = run.sampler.verify(drafts, q, engine.logits(policy.verify_layer, h[:, -len(drafts) - 1 :]))
+                verdict = run.sampler.verify(drafts, q, logits)
                 run.counters.drafted += len(drafts)
                 run.counters.accepted_intermediate += verdict.accepted
                 appended = run.extend(first, verdict)
@@ -169,10 +182,10 @@ class HiSpec(Strategy):
                 tentative = run.tokens[start:]
                 if len(tentative) >= policy.window or run.room() == 0 or run.eos.intersection(run.tokens[first:]):
                     break
-            h = engine.advance(run.state, 2)
+            logits = yield Advance(run.state, 2, len(tentative) + 1)
             run.counters.calls_full += 1
             p_i = torch.cat(proposals) if proposals else None
-            verdict = run.sampler.verify(tentative, p_i, engine.logits(full, h[:, -len(tentative) - 1 :]))
+            verdict = run.sampler.verify(tentative, p_i, logits)
             run.counters.tentative += len(tentative)
             run.counters.accepted_final += verdict.accepted
             run.commit(start, verdict)

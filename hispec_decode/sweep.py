@@ -50,12 +50,12 @@ def run_sweep(model, policy, prompts: list[list[int]], max_new_tokens: int) -> l
     configs = grid(policy)
     tallies = {c: [0, 0.0, 0, 0, 0, 0] for c in configs}  # tokens, seconds, acc_i, drafted, acc_f, tentative
     for c in configs:  # warm-up
-        model.decode([prompts[0]], max_new_tokens=4, **_kwargs(c))
+        model.generate([prompts[0]], max_new_tokens=4, **_kwargs(c))
     for i, prompt in enumerate(tqdm(prompts, desc="sweep", unit="prompt")):
         order = configs[i % len(configs):] + configs[: i % len(configs)]
         for c in order:
             t0 = time.perf_counter()
-            (run,) = model.decode([prompt], max_new_tokens=max_new_tokens, **_kwargs(c))
+            (run,) = model.generate([prompt], max_new_tokens=max_new_tokens, **_kwargs(c)).runs
             t = tallies[c]
             t[1] += time.perf_counter() - t0
             t[0] += len(run.tokens) - run.prompt_length

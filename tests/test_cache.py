@@ -1,48 +1,59 @@
-"""After generation every layer's cache equals a fresh forward pass over the final sequence."""
+"""Mid-generation, every layer's paged cache equals a fresh forward pass over the same tokens."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hispec_decode.engine import Engine
+from hispec_decode.engine import Advance
 
 from conftest import ARCHS
 
 
+def _band_of(layer: int, exits: tuple[int, ...]) -> int:
+    return next(b for b, top in enumerate(exits) if layer < top)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("method", ["autoregressive", "self_spec", "hispec"])
-def test_cache_equals_fresh_forward(arch, method, hispec_models):
+def test_paged_cache_equals_fresh_forward(arch, method, hispec_models):
     model = hispec_models[arch]
-    prompt = [5, 9, 2, 6, 5, 3]
-    (run,) = model.decode([prompt], max_new_tokens=20, method=method, draft_layer=2, verify_layer=4,
-                          window=3, num_draft=3)
-    st = run.state
-    lengths = st.cache.lengths
-    assert lengths == sorted(lengths, reverse=True), "a lower layer never holds fewer entries than an upper one"
-    assert all(n <= len(st.tokens) for n in lengths)
-    assert lengths[-1] in (len(st.tokens) - 1, len(st.tokens))  # the full model saw all but the last token
+    engine = model.engine
+    server = model.serve(method, num_blocks=64, block_size=4, draft_layer=2, verify_layer=4, window=3, num_draft=3)
+    model.add_request(server, [5, 9, 2, 6, 5, 3], max_new_tokens=60)
+    model.add_request(server, [1, 2], max_new_tokens=60)  # a neighbour, so blocks interleave
+    for steps in (3, 8, 13):
+        while server.steps < steps:
+            server.step()
+        server.cache.manager.check()
+        st = server.running[0].run.state
+        lengths = server.cache.manager.lengths(st.seq_id)
+        assert lengths == sorted(lengths, reverse=True), "a lower band never holds fewer tokens than an upper one"
+        assert lengths[0] <= len(st.tokens)
 
-    fresh = Engine(model.arch).new_state(st.tokens, (model.num_layers,), len(st.tokens))
-    model.engine.advance(fresh, 0)
-    for layer, n in enumerate(lengths):
-        k, v = st.cache.valid(layer)
-        assert torch.allclose(k, fresh.cache.keys[layer][:, :, :n], atol=1e-5), layer
-        assert torch.allclose(v, fresh.cache.values[layer][:, :, :n], atol=1e-5), layer
+        fresh = engine.new_cache(64, 4)
+        engine.advance([Advance(engine.new_state(fresh, 0, st.tokens, (model.num_layers,)), 0, 1)])
+        for layer in range(model.num_layers):
+            n = lengths[_band_of(layer, st.exits)]
+            k, v = server.cache.read(layer, server.cache.slots(st.seq_id, 0, n))
+            k0, v0 = fresh.read(layer, fresh.slots(0, 0, n))
+            assert torch.allclose(k, k0, atol=1e-5) and torch.allclose(v, v0, atol=1e-5), (steps, layer)
 
 
 def test_pending_hidden_states_match_their_layers(hispec_models):
     """Hidden states waiting at an exit are exactly those a fresh pass produces at that layer."""
     model = hispec_models["llama"]
     engine = model.engine
-    st = engine.new_state([4, 8, 15, 16, 23, 42], (2, 4, model.num_layers), 64)
-    engine.advance(st, 0)
-    st.tokens += [7, 7]  # two drafts, then an intermediate check, then a rejection of one
-    engine.advance(st, 1)
+    cache = engine.new_cache(16, 4)
+    st = engine.new_state(cache, 0, [4, 8, 15, 16, 23, 42], (2, 4, model.num_layers))
+    engine.advance([Advance(st, 0, 1)])
+    st.tokens += [7, 7, 7]  # three drafts, then an intermediate check, then a rejection of two
+    engine.advance([Advance(st, 1, 4)])
     engine.truncate(st, 7)
     assert st.processed(0) == 7 and st.processed(1) == 7 and st.processed(2) == 0
     assert st.pending[0] is None and st.pending[1].shape[1] == 7
+    assert len(cache.manager.table(0)) == 2  # 7 tokens in blocks of 4: the third block (tokens 8, 9) was freed
 
-    fresh = engine.new_state(st.tokens, (4, model.num_layers), 64)
-    h4 = engine.advance(fresh, 0)
-    assert torch.allclose(st.pending[1], h4, atol=1e-5)
+    fresh = engine.new_state(cache, 1, st.tokens, (4, model.num_layers))
+    engine.advance([Advance(fresh, 0, 1)])
+    assert torch.allclose(st.pending[1], fresh.pending[0], atol=1e-5)

@@ -1,0 +1,81 @@
+"""Paged K/V storage: one block pool per layer, addressed through the block manager's tables.
+
+Layer ``l`` keeps ``keys[l]`` and ``values[l]`` of shape ``[n_kv_heads, num_blocks * block_size,
+head_dim]``; a token at position ``p`` of a sequence lives in slot
+``table[p // block_size] * block_size + p % block_size`` of every layer. Which slots are valid
+is the block manager's business (a length per band); stale slots after a rejection are
+simply written again, never read. When a sequence's blocks happen to be consecutive (the
+common case for short batches) reads and writes are slices, otherwise index gathers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .block_manager import BlockManager
+
+Slots = slice | torch.Tensor
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.manager = BlockManager(num_blocks, block_size)
+        self.block_size = block_size
+        self.device = torch.device(device)
+        shape = (num_kv_heads, num_blocks * block_size, head_dim)
+        # Never-written slots are never read (lengths guard them), so the pools start uninitialised.
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def slots(self, seq_id: int, start: int, end: int) -> Slots:
+        """Pool slots of positions ``start..end`` of ``seq_id`` (a slice when contiguous)."""
+        table, bs = self.manager.table(seq_id), self.block_size
+        if end <= start:
+            return slice(0, 0)
+        first, last = start // bs, (end - 1) // bs
+        if all(table[i + 1] == table[i] + 1 for i in range(first, last)):
+            base = table[first] * bs + start % bs
+            return slice(base, base + end - start)
+        idx = [table[p // bs] * bs + p % bs for p in range(start, end)]
+        return torch.tensor(idx, dtype=torch.long, device=self.device)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Apply the block manager's copy-on-write instructions to every layer."""
+        bs = self.block_size
+        for src, dst in copies:
+            for pool in self.keys + self.values:
+                pool[:, dst * bs : (dst + 1) * bs] = pool[:, src * bs : (src + 1) * bs]
+
+    def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new K/V ``[1, n_kv, T, d]`` at ``slots`` (T of them)."""
+        self.keys[layer][:, slots] = k[0]
+        self.values[layer][:, slots] = v[0]
+
+    def read(self, layer: int, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V at ``slots`` as ``[1, n_kv, S, d]`` each."""
+        if isinstance(slots, slice):
+            return self.keys[layer][None, :, slots], self.values[layer][None, :, slots]
+        return self.keys[layer].index_select(1, slots)[None], self.values[layer].index_select(1, slots)[None]
+
+    def bytes_per_token(self) -> int:
+        k = self.keys[0]
+        return 2 * len(self.keys) * k.shape[0] * k.shape[2] * k.element_size()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the pool holds, bytes its allocated blocks hold, bytes the sequences need."""
+        usage = self.manager.usage()
+        per_token = self.bytes_per_token()
+        return {
+            "pool_bytes": per_token * self.manager.num_blocks * self.block_size,
+            "allocated_bytes": per_token * usage["slots_held"],
+            "needed_bytes": per_token * usage["tokens_needed"],
+        }

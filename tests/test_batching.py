@@ -1,0 +1,143 @@
+"""Batched decoding on the paged cache: every row equals that prompt decoded alone, token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hispec_decode import HiSpecAdapter
+from hispec_decode.adapter import ExitSpec
+from hispec_decode.block_manager import OutOfBlocksError
+
+from conftest import ARCHS, VOCAB, save_tiny
+from test_lossless import _identity_above
+
+NEW = 16
+METHODS = ["autoregressive", "self_spec", "hispec"]
+POLICY = dict(draft_layer=2, verify_layer=4, window=3, num_draft=2)
+_rng = random.Random(0)
+PROMPTS = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (1, 7, 3, 12, 5, 20, 2, 9, 14, 4, 1, 11, 6, 17, 8, 3)]
+
+
+def _kwargs(method: str) -> dict:
+    return {} if method == "autoregressive" else POLICY
+
+
+@pytest.fixture(scope="module")
+def alone(hispec_models):
+    """Each prompt decoded on its own (batch of one) by each method, and by transformers."""
+    out = {}
+    for arch in ARCHS:
+        for method in METHODS:
+            out[arch, method] = [hispec_models[arch].generate([p], max_new_tokens=NEW, method=method,
+                                                              **_kwargs(method)).sequences[0] for p in PROMPTS]
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", METHODS)
+def test_batched_rows_equal_rows_decoded_alone(arch, method, hispec_models, tiny_models, alone):
+    model = hispec_models[arch]
+    for b in (1, 2, 5, 16):
+        out = model.generate(PROMPTS[:b], max_new_tokens=NEW, method=method, **_kwargs(method))
+        assert out.sequences == alone[arch, method][:b], b
+        assert out.stats["preemptions"] == 0
+    # and alone equals transformers (spot check: the longest and the shortest prompt)
+    for i in (0, 5):
+        assert alone[arch, method][i] == tiny_models[arch].hf_generate(PROMPTS[i], NEW)
+
+
+def _repeat_last_token(model) -> None:
+    """Every layer becomes the identity and the LM head the embedding matrix: the model repeats
+    its last input token forever, and every exit (without heads) predicts exactly that."""
+    _identity_above(0)(model)
+    emb = model.get_input_embeddings().weight
+    emb.copy_(torch.randn_like(emb) * 3)
+    out = model.get_output_embeddings().weight
+    if out.data_ptr() != emb.data_ptr():
+        out.copy_(emb)
+    decoder = getattr(model.model, "decoder", None)  # OPT: no positions, project_in/out inverse
+    if decoder is not None:
+        decoder.embed_positions.weight.zero_()
+        if decoder.project_in is not None:
+            q, _ = torch.linalg.qr(torch.randn(decoder.project_in.weight.shape))
+            decoder.project_in.weight.copy_(q)
+            decoder.project_out.weight.copy_(q.T)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rows_that_accept_everything_beside_rows_that_reject_everything(arch, tmp_path):
+    """The draft head maps every hidden state to zero, so it always proposes token 0; the model
+    repeats the last prompt token. Rows ending in 0 accept every draft, the others none."""
+    tiny = save_tiny(arch, tmp_path / "base", mutate=_repeat_last_token)
+    model = tiny.load()
+    adapter = HiSpecAdapter.create(model.arch, str(tiny.path), [ExitSpec(2, "draft", "residual_linear")])
+    with torch.no_grad():
+        adapter.head(2).proj.weight.copy_(-torch.eye(adapter.head(2).proj.weight.shape[0]))
+    adapter.save_pretrained(tmp_path / "heads")
+    model = tiny.load(heads=str(tmp_path / "heads"))
+    rows = [[5, 0], [3, 9], [1, 2, 3, 0], [7], [0], [4, 4, 8]]
+    for method in ("self_spec", "hispec"):
+        out = model.generate(rows, max_new_tokens=NEW, method=method, **POLICY)
+        for row, seq, run in zip(rows, out.sequences, out.runs):
+            assert seq == [row[-1]] * NEW == tiny.hf_generate(row, NEW)
+            c = run.counters
+            rate = c.accepted_intermediate / c.drafted if method == "hispec" else c.accepted_final / c.tentative
+            assert rate == (1.0 if row[-1] == 0 else 0.0), (method, row, c)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_small_cache_preempts_and_recomputes_without_changing_a_token(method, hispec_models, alone):
+    model = hispec_models["qwen3"]
+    for verify in ("eager", "gather"):
+        out = model.generate(PROMPTS[:8], max_new_tokens=NEW, method=method, num_blocks=14, block_size=4,
+                             verify=verify, **_kwargs(method))
+        assert out.sequences == alone["qwen3", method][:8]
+        assert out.stats["preemptions"] > 0
+
+
+def test_cache_that_cannot_hold_one_sequence_fails_clearly(hispec_models):
+    model = hispec_models["llama"]
+    with pytest.raises(OutOfBlocksError, match="whole KV cache"):
+        model.generate([PROMPTS[5]], max_new_tokens=40, num_blocks=3, block_size=8)
+    with pytest.raises(OutOfBlocksError, match="cannot fit"):
+        model.generate([PROMPTS[5]], max_new_tokens=4, num_blocks=2, block_size=8)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_verify_policies_give_the_same_tokens(method, hispec_models, alone):
+    out = hispec_models["opt"].generate(PROMPTS, max_new_tokens=NEW, method=method, verify="gather", **_kwargs(method))
+    assert out.sequences == alone["opt", method]
+
+
+def test_continuous_batching_streams_and_frees_blocks(hispec_models, alone):
+    model = hispec_models["llama"]
+    server = model.serve("hispec", num_blocks=64, block_size=4, **POLICY)
+    ids = [model.add_request(server, p, max_new_tokens=NEW) for p in PROMPTS[:3]]
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    finished = []
+    for step in range(200):
+        if step == 5:  # requests join a running batch
+            ids += [model.add_request(server, p, max_new_tokens=NEW) for p in PROMPTS[3:8]]
+        for o in server.step():
+            assert not finished.count(o.request_id), "no tokens after a request finished"
+            streamed[o.request_id] += o.new_tokens
+            if o.finished:
+                finished.append(o.request_id)
+                assert o.request_id not in server.cache.manager.seqs, "a finished request's blocks are freed at once"
+        server.cache.manager.check()
+        if not server.has_unfinished():
+            break
+    assert sorted(finished) == ids
+    assert [streamed[i] for i in ids] == alone["llama", "hispec"][:8]
+    assert server.cache.manager.num_free == 64
+
+
+def test_sampled_batch_rows_follow_their_own_seeds(hispec_models):
+    """Row i samples with seed + i, whatever else is in the batch."""
+    model = hispec_models["qwen2"]
+    kw = dict(max_new_tokens=NEW, do_sample=True, temperature=0.8, method="hispec", **POLICY)
+    batch = model.generate(PROMPTS[:4], seed=10, **kw).sequences
+    assert batch == [model.generate([p], seed=10 + i, **kw).sequences[0] for i, p in enumerate(PROMPTS[:4])]
