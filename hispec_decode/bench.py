@@ -168,11 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the numbers to this file")
     p.add_argument("--sweep", type=Path, nargs="?", const=Path("docs"), default=None, metavar="DIR",
                    help="sweep hispec/self_spec policies instead (JSON, table and plot per dtype to DIR, default docs/)")
+    p.add_argument("--batch-sizes", default=None, metavar="B1,B2,...",
+                   help="batched throughput at these batch sizes instead (e.g. 1,2,4,8,16; prompts: max(B) unless "
+                        "--num-prompts is given)")
+    p.add_argument("--verify", default="eager", choices=["eager", "gather"],
+                   help="batched full-verification policy (see hispec_decode.serving)")
     add_policy_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.sweep is not None:
         return _sweep(args)
+    if args.batch_sizes is not None:
+        return _batched(args, p.get_default("num_prompts"))
     results = run_benchmark(args)
     print(format_table(results))
     if args.json is not None:
@@ -194,6 +201,30 @@ def _sweep(args: argparse.Namespace) -> int:
         best = max(rows, key=lambda r: r["speedup_vs_autoregressive"])
         print(f"{dtype}: best {best['config']} at {best['speedup_vs_autoregressive']:.2f}x autoregressive; "
               f"table: {args.sweep / f'sweep-{dtype}.md'}")
+    return 0
+
+
+def _batched(args: argparse.Namespace, default_num_prompts: int) -> int:
+    from .bench_batch import format_batched, run_batched
+    from .model import HiSpecModel
+
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    num_prompts = max(sizes) if args.num_prompts == default_num_prompts else args.num_prompts
+    policy_args = dict(draft_layer=args.draft_layer, verify_layer=args.verify_layer, window=args.window,
+                       num_draft=args.num_draft)
+    results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "verify": args.verify,
+                               "num_prompts": num_prompts, "dtypes": {}}
+    for dtype in args.dtypes.split(","):
+        model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=dtype)
+        prompts = bench_prompts(model, num_prompts, args.prompts)
+        methods = [m for m in args.methods.split(",") if m]
+        res = run_batched(model, prompts, sizes, args.max_new_tokens, methods, policy_args, args.verify)
+        results["dtypes"][dtype] = res
+        print(format_batched(res, dtype))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 

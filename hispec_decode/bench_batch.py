@@ -1,0 +1,115 @@
+"""``hispec-bench --batch-sizes``: batched throughput, transformers' padded batch vs this engine.
+
+For each batch size ``B`` the same prompts are cut into batches of ``B``; every method decodes
+every batch (the order of methods rotates batch by batch, so machine noise hits all alike) and
+the table reports total new tokens per second. transformers decodes a left-padded batch with
+an attention mask and stops when every row is done; the engine decodes a ragged continuous
+batch on its paged cache. Outputs are compared with transformers' row by row, and the paged
+cache's peak bytes with the bytes the sequences need.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .strategies import Counters
+
+
+@dataclass
+class BatchTally:
+    tokens: int = 0
+    seconds: float = 0.0
+    counters: Counters = field(default_factory=Counters)
+    outputs: list[list[int]] = field(default_factory=list)
+    peak_cache_bytes: int = 0
+    needed_cache_bytes: int = 0
+
+
+def hf_generate_padded(model, rows: list[list[int]], max_new_tokens: int, eos: frozenset[int]) -> list[list[int]]:
+    """transformers' generate on a left-padded batch; each row cut after its first EOS."""
+    width = max(map(len, rows))
+    pad = min(eos) if eos else 0
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    with torch.inference_mode():
+        out = model.base_model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                        pad_token_id=pad)
+    seqs = []
+    for row in out[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        seqs.append(row[:end])
+    return seqs
+
+
+def run_batched(model, prompts: list[list[int]], batch_sizes: list[int], max_new_tokens: int, methods: list[str],
+                policy_args: dict[str, Any], verify: str = "eager") -> dict[str, Any]:
+    eos = model._eos(None)
+    results: dict[str, Any] = {}
+    for b in batch_sizes:
+        batches = [prompts[i : i + b] for i in range(0, len(prompts), b)]
+        tallies = {m: BatchTally() for m in methods}
+        for m in methods:  # warm-up at this batch size
+            _decode(model, m, batches[0], 4, policy_args, eos, verify)
+        for i, batch in enumerate(tqdm(batches, desc=f"batch size {b}", unit="batch")):
+            for m in methods[i % len(methods):] + methods[: i % len(methods)]:
+                t0 = time.perf_counter()
+                seqs, out = _decode(model, m, batch, max_new_tokens, policy_args, eos, verify)
+                t = tallies[m]
+                t.seconds += time.perf_counter() - t0
+                t.tokens += sum(map(len, seqs))
+                t.outputs += seqs
+                if out is not None:
+                    for run in out.runs:
+                        t.counters.add(run.counters)
+                    t.peak_cache_bytes = max(t.peak_cache_bytes, out.stats["peak_cache_bytes"])
+                    t.needed_cache_bytes = max(t.needed_cache_bytes, out.stats["needed_cache_bytes"])
+        results[str(b)] = _rows(tallies)
+    return results
+
+
+def _decode(model, method, batch, max_new_tokens, policy_args, eos, verify):
+    if method == "transformers":
+        return hf_generate_padded(model, batch, max_new_tokens, eos), None
+    out = model.generate(batch, max_new_tokens=max_new_tokens, method=method, verify=verify, **policy_args)
+    return out.sequences, out
+
+
+def _rows(tallies: dict[str, BatchTally]) -> dict[str, Any]:
+    base = tallies.get("transformers")
+    ar = tallies.get("autoregressive")
+    rows = {}
+    for m, t in tallies.items():
+        tps = t.tokens / t.seconds if t.seconds else 0.0
+        c = t.counters
+        rows[m] = {
+            "tokens": t.tokens, "seconds": round(t.seconds, 3), "tokens_per_second": round(tps, 3),
+            "ratio_to_transformers": round(tps / (base.tokens / base.seconds), 3) if base else None,
+            "ratio_to_autoregressive": round(tps / (ar.tokens / ar.seconds), 3) if ar else None,
+            "acceptance_intermediate": round(c.accepted_intermediate / c.drafted, 4) if c.drafted else None,
+            "acceptance_final": round(c.accepted_final / c.tentative, 4) if c.tentative else None,
+            "matches_transformers": (f"{sum(a == b for a, b in zip(t.outputs, base.outputs))}/{len(t.outputs)}"
+                                     if base else None),
+            "peak_cache_bytes": t.peak_cache_bytes or None,
+            "needed_cache_bytes": t.needed_cache_bytes or None,
+        }
+    return rows
+
+
+def format_batched(results: dict[str, Any], dtype: str) -> str:
+    head = (f"{'batch':>5} {'method':15} {'tok/s':>8} {'x HF':>6} {'x AR':>6} {'acc L_i':>8} {'acc L_f':>8} "
+            f"{'= HF':>7} {'cache peak/need':>16}")
+    lines = [f"batched throughput ({dtype})", head, "-" * len(head)]
+    for b, rows in results.items():
+        for m, r in rows.items():
+            def f(x, pct=False):
+                return "-" if x is None else (f"{100 * x:.1f}%" if pct else f"{x:.2f}")
+            cache = "-" if not r["peak_cache_bytes"] else f"{r['peak_cache_bytes'] / 2**20:.1f}/{r['needed_cache_bytes'] / 2**20:.1f} MiB"
+            lines.append(f"{b:>5} {m:15} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
+                         f"{f(r['ratio_to_autoregressive']):>6} {f(r['acceptance_intermediate'], True):>8} "
+                         f"{f(r['acceptance_final'], True):>8} {r['matches_transformers'] or '-':>7} {cache:>16}")
+    return "\n".join(lines)
