@@ -158,7 +158,7 @@ class HiSpecAdapter(nn.Module):
     def create(cls, base: DecoderAdapter, base_name: str, specs: list[ExitSpec],
                training: dict[str, Any] | None = None) -> HiSpecAdapter:
         """New heads for ``base``, each initialised to reproduce the base's own exit."""
-        heads = {s.layer: head_class(s.head_type).from_base(base, **s.options) for s in specs}
+        heads = {s.layer: head_class(s.head_type).from_base(base, s.layer, **s.options) for s in specs}
         exits = [
             ExitHeadConfig(s.layer, s.role, s.head_type, sorted(heads[s.layer].norm.keys()),
                            {k: list(v.shape) for k, v in heads[s.layer].state_dict().items()}, heads[s.layer].options())
@@ -190,8 +190,10 @@ class HiSpecAdapter(nn.Module):
         return out
 
     @classmethod
-    def from_pretrained(cls, source: str | os.PathLike, revision: str | None = None) -> HiSpecAdapter:
-        """Load from a local directory or a Hub repo id."""
+    def from_pretrained(cls, source: str | os.PathLike, revision: str | None = None,
+                        base: DecoderAdapter | None = None) -> HiSpecAdapter:
+        """Load from a local directory or a Hub repo id (heads built from a base layer, such as
+        ``decoder_block``, need the ``base`` they were trained for)."""
         directory = _resolve(source, revision)
         config = HiSpecAdapterConfig.load(directory)
         weights = directory / WEIGHTS_NAME
@@ -203,7 +205,7 @@ class HiSpecAdapter(nn.Module):
             raise AdapterError(f"{weights} is corrupted or not a safetensors file: {exc}") from exc
         heads = {}
         for e in config.exits:
-            head = build_head(e.head_type, config.hidden_size, e.norm_keys, e.options)
+            head = build_head(e.head_type, config.hidden_size, e.norm_keys, e.options, base)
             prefix = f"{e.layer}."
             state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
             expected = head.state_dict()

@@ -12,6 +12,9 @@ each, and on CPU every linear runs on oneDNN-packed weights (see :mod:`hispec_de
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +23,27 @@ from .attention import AttentionMeta, attend, build_meta
 from .errors import UnsupportedArchitectureError
 from .paged_cache import PagedKVCache
 from .linear import FusedLinear
+
+
+# (q, k, v, scale, window) -> attention output [B, T, heads * head_dim]; q/k/v are [B, heads, T, d]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"], torch.Tensor]
+
+
+@dataclass
+class LayerKernels:
+    """What one decoder layer computes with: its module (norms, activation) and its linears,
+    fused and packed for decoding or the module's own (differentiable) ones for training."""
+
+    module: nn.Module
+    qkv: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    out: Callable[[torch.Tensor], torch.Tensor]
+    mlp_in: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    mlp_out: Callable[[torch.Tensor], torch.Tensor]
+    window: int | None = None
+
+
+def _module_linears(*linears: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    return lambda x: tuple(lin(x) for lin in linears)
 
 
 class DecoderAdapter(ABC):
@@ -52,8 +76,17 @@ class DecoderAdapter(ABC):
         """Token ids [T] -> input hidden states [1, T, hidden]."""
 
     @abstractmethod
-    def layer(self, i: int, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache) -> torch.Tensor:
-        """Run decoder layer ``i`` on the packed new tokens [1, T, hidden], writing their K/V."""
+    def kernels(self, module: nn.Module, packed: bool = True) -> LayerKernels:
+        """Kernels of a decoder layer module (one of the base's, or a head's copy of one)."""
+
+    @abstractmethod
+    def block(self, k: LayerKernels, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+              attn: AttentionFn) -> torch.Tensor:
+        """One decoder layer on [B, T, hidden]; ``attn`` decides what the queries attend to."""
+
+    @abstractmethod
+    def rope_for(self, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rotary tables of positions ``0..length-1`` (None for learned positions)."""
 
     @abstractmethod
     def norm_params(self) -> dict[str, torch.Tensor]:
@@ -76,10 +109,33 @@ class DecoderAdapter(ABC):
         """Metadata of one packed call: ``spans`` holds ``(seq_id, start, num_new)`` per sequence."""
         return build_meta(cache, spans)
 
+    def cached_block(self, k: LayerKernels, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache,
+                     cache_layer: int) -> torch.Tensor:
+        """A layer over the packed new tokens [1, T, hidden], its K/V in ``cache_layer``'s pool."""
+        def attn(q, key, v, scale, window):
+            return attend(q, key, v, meta, cache, cache_layer, scale, window)
+
+        return self.block(k, h, meta.rope, attn)
+
+    def causal_block(self, module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """A layer over whole sequences [B, T, hidden] with causal attention and no cache,
+        differentiable through the module's own weights (training a head's block)."""
+        def attn(q, key, v, scale, window):
+            T = q.shape[2]
+            mask = None
+            if window is not None and window < T:
+                i = torch.arange(T, device=q.device)
+                mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+            o = F.scaled_dot_product_attention(q, key, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                               enable_gqa=q.shape[1] != key.shape[1])
+            return o.transpose(1, 2).flatten(2)
+
+        return self.block(self.kernels(module, packed=False), h, self.rope_for(h.shape[1]), attn)
+
     def run(self, h: torch.Tensor, lo: int, hi: int, meta: AttentionMeta, cache: PagedKVCache) -> torch.Tensor:
         """Run ``layers[lo:hi]``."""
         for i in range(lo, hi):
-            h = self.layer(i, h, meta, cache)
+            h = self.cached_block(self.layer_kernels[i], h, meta, cache, i)
         return h
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -114,11 +170,7 @@ class LlamaAdapter(DecoderAdapter):
         self.layers = self.inner.layers
         self._head_dim = self.layers[0].self_attn.head_dim
         self._num_kv_heads = self.config.num_key_value_heads
-        self.qkv = [self.linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
-        self.o_proj = [self.linear(l.self_attn.o_proj) for l in self.layers]
-        self.gate_up = [self.linear(l.mlp.gate_proj, l.mlp.up_proj) for l in self.layers]
-        self.down = [self.linear(l.mlp.down_proj) for l in self.layers]
-        self.windows = [getattr(l.self_attn, "sliding_window", None) for l in self.layers]
+        self.layer_kernels = [self.kernels(layer) for layer in self.layers]
         rope_type = (getattr(self.config, "rope_parameters", None) or {}).get("rope_type", "default")
         self._static_rope = rope_type not in ("dynamic", "longrope")
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -157,25 +209,43 @@ class LlamaAdapter(DecoderAdapter):
             meta.rope = (torch.cat([c for c, _ in parts], 1)[:, None], torch.cat([s for _, s in parts], 1)[:, None])
         return meta
 
+    def rope_for(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._static_rope:
+            cos, sin = self.rope_table(length)
+            return cos[:, :, :length], sin[:, :, :length]
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.inner.rotary_emb(probe, torch.arange(length, device=self.device)[None])
+        return cos[:, None], sin[:, None]
+
     def embed(self, tokens: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         return self.inner.embed_tokens(tokens[None])
 
-    def layer(self, i: int, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache) -> torch.Tensor:
-        block, attn, d = self.layers[i], self.layers[i].self_attn, self._head_dim
-        T = h.shape[1]
-        x = _rms(h, block.input_layernorm)
-        q, k, v = self.qkv[i].split(x)
-        q, k, v = q.view(1, T, -1, d), k.view(1, T, -1, d), v.view(1, T, -1, d)
-        if hasattr(attn, "q_norm"):  # Qwen3
-            q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, d]
-        cos, sin = meta.rope
+    def kernels(self, module: nn.Module, packed: bool = True) -> LayerKernels:
+        a, mlp = module.self_attn, module.mlp
+        window = getattr(a, "sliding_window", None)
+        if packed:
+            return LayerKernels(module, self.linear(a.q_proj, a.k_proj, a.v_proj).split, self.linear(a.o_proj),
+                                self.linear(mlp.gate_proj, mlp.up_proj).split, self.linear(mlp.down_proj), window)
+        return LayerKernels(module, _module_linears(a.q_proj, a.k_proj, a.v_proj), a.o_proj,
+                            _module_linears(mlp.gate_proj, mlp.up_proj), mlp.down_proj, window)
+
+    def block(self, k: LayerKernels, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+              attn: AttentionFn) -> torch.Tensor:
+        layer, a, d = k.module, k.module.self_attn, self._head_dim
+        B, T = h.shape[:2]
+        x = _rms(h, layer.input_layernorm)
+        q, key, v = k.qkv(x)
+        q, key, v = q.view(B, T, -1, d), key.view(B, T, -1, d), v.view(B, T, -1, d)
+        if hasattr(a, "q_norm"):  # Qwen3
+            q, key = _rms(q, a.q_norm), _rms(key, a.k_norm)
+        q, key, v = q.transpose(1, 2), key.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, d]
+        cos, sin = rope
         q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        h = h + self.o_proj[i](attend(q, k, v, meta, cache, i, attn.scaling, self.windows[i]))
-        x = _rms(h, block.post_attention_layernorm)
-        gate, up = self.gate_up[i].split(x)
-        return h + self.down[i](block.mlp.act_fn(gate) * up)
+        key = key * cos + _rotate_half(key) * sin
+        h = h + k.out(attn(q, key, v, a.scaling, k.window))
+        x = _rms(h, layer.post_attention_layernorm)
+        gate, up = k.mlp_in(x)
+        return h + k.mlp_out(layer.mlp.act_fn(gate) * up)
 
     def norm_params(self) -> dict[str, torch.Tensor]:
         return {"weight": self.inner.norm.weight}
@@ -193,10 +263,7 @@ class OPTAdapter(DecoderAdapter):
         self.inner = model.model.decoder
         self.layers = self.inner.layers
         self.pre_ln = self.config.do_layer_norm_before
-        self.qkv = [self.linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
-        self.out_proj = [self.linear(l.self_attn.out_proj) for l in self.layers]
-        self.fc1 = [self.linear(l.fc1) for l in self.layers]
-        self.fc2 = [self.linear(l.fc2) for l in self.layers]
+        self.layer_kernels = [self.kernels(layer) for layer in self.layers]
         self._num_heads = self.config.num_attention_heads
         self._head_dim = self.config.hidden_size // self._num_heads
 
@@ -215,19 +282,33 @@ class OPTAdapter(DecoderAdapter):
         pos = self.inner.embed_positions
         return x + pos.weight[meta.positions + pos.offset][None]
 
-    def layer(self, i: int, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache) -> torch.Tensor:
-        block, attn, d = self.layers[i], self.layers[i].self_attn, self._head_dim
-        T = h.shape[1]
-        x = block.self_attn_layer_norm(h) if self.pre_ln else h
-        q, k, v = self.qkv[i].split(x)
-        q = q * attn.scaling  # OPT scales the projected queries, then attends with scale 1
-        q, k, v = (t.view(1, T, -1, d).transpose(1, 2) for t in (q, k, v))
-        h = h + self.out_proj[i](attend(q, k, v, meta, cache, i, 1.0))
+    def rope_for(self, length: int) -> None:
+        return None
+
+    def kernels(self, module: nn.Module, packed: bool = True) -> LayerKernels:
+        a = module.self_attn
+        if packed:
+            fc1 = self.linear(module.fc1)
+            return LayerKernels(module, self.linear(a.q_proj, a.k_proj, a.v_proj).split, self.linear(a.out_proj),
+                                lambda x: (fc1(x),), self.linear(module.fc2))
+        return LayerKernels(module, _module_linears(a.q_proj, a.k_proj, a.v_proj), a.out_proj,
+                            _module_linears(module.fc1), module.fc2)
+
+    def block(self, k: LayerKernels, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+              attn: AttentionFn) -> torch.Tensor:
+        layer, d = k.module, self._head_dim
+        B, T = h.shape[:2]
+        x = layer.self_attn_layer_norm(h) if self.pre_ln else h
+        q, key, v = k.qkv(x)
+        q = q * layer.self_attn.scaling  # OPT scales the projected queries, then attends with scale 1
+        q, key, v = (t.view(B, T, -1, d).transpose(1, 2) for t in (q, key, v))
+        h = h + k.out(attn(q, key, v, 1.0, None))
         if not self.pre_ln:
-            h = block.self_attn_layer_norm(h)
-        x = block.final_layer_norm(h) if self.pre_ln else h
-        h = h + self.fc2[i](block.activation_fn(self.fc1[i](x)))
-        return h if self.pre_ln else block.final_layer_norm(h)
+            h = layer.self_attn_layer_norm(h)
+        x = layer.final_layer_norm(h) if self.pre_ln else h
+        (up,) = k.mlp_in(x)
+        h = h + k.mlp_out(layer.activation_fn(up))
+        return h if self.pre_ln else layer.final_layer_norm(h)
 
     def norm_params(self) -> dict[str, torch.Tensor]:
         norm = self.inner.final_layer_norm

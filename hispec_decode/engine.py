@@ -102,7 +102,7 @@ class Engine:
                     st.pending[band - 1] = None
             h = self.base.run(x, lo, hi, meta, cache)
             head = self.heads.get(hi)
-            g = head.extend(h, meta, cache, self.head_cache_layer[hi]) if hi in self.head_cache_layer else h
+            g = head.extend(h, meta, cache, self.head_cache_layer[hi], self.base) if hi in self.head_cache_layer else h
             for (i, st), (_, start, n), seg in zip(group, spans, meta.segments):
                 cache.manager.set_length(st.seq_id, band, start + n)
                 rows = slice(seg.offset, seg.offset + n)

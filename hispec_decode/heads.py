@@ -4,10 +4,13 @@ Every head ends in the base model's frozen, shared LM head, so an adapter stores
 part in front of it. ``base`` (no parameters) is the base model's own final norm + LM head,
 used wherever no trained head is given; the others own a trainable copy of the final norm and
 optionally a zero-initialised residual map, so an untrained head starts exactly at ``base``.
+``decoder_block`` adds one decoder layer (initialised from the base's next layer) with its own
+K/V cache entries: the heavier head that buys agreement.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -16,7 +19,9 @@ from torch import nn
 from .errors import AdapterError
 
 if TYPE_CHECKING:
-    from .architectures import DecoderAdapter
+    from .architectures import DecoderAdapter, LayerKernels
+    from .attention import AttentionMeta
+    from .paged_cache import PagedKVCache
 
 
 class ExitHead(nn.Module):
@@ -33,7 +38,12 @@ class ExitHead(nn.Module):
         return {}
 
     def transform(self, h: torch.Tensor) -> torch.Tensor:
+        """Position-wise part of the head: [..., hidden] -> [..., hidden]."""
         return h
+
+    def sequence_transform(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
+        """The head's transform over whole sequences [B, T, hidden] (training, evaluation)."""
+        return self.transform(h)
 
     def project(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
         """The head's norm and the shared LM head: transformed [..., hidden] -> logits [..., vocab]."""
@@ -44,9 +54,15 @@ class ExitHead(nn.Module):
         """Hidden states after the exit layer [..., hidden] -> logits [..., vocab]."""
         return self.project(self.transform(h), base)
 
+    def extend(self, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache, cache_layer: int,
+               base: DecoderAdapter) -> torch.Tensor:
+        """Heads with their own attention (``has_cache``): transform the packed new tokens,
+        writing their K/V into ``cache_layer``'s pool."""
+        raise NotImplementedError(f"{self.head_type} heads keep no cache")
+
     @classmethod
-    def from_base(cls, base: DecoderAdapter, **options: Any) -> ExitHead:
-        """A head initialised to reproduce the base's own exit at any layer."""
+    def from_base(cls, base: DecoderAdapter, layer: int, **options: Any) -> ExitHead:
+        """A head for exit ``layer``, initialised to reproduce the base's own exit there."""
         norm = base.norm_params()
         head = cls(base.config.hidden_size, sorted(norm), **options)
         with torch.no_grad():
@@ -107,8 +123,55 @@ class LowRankHead(ExitHead):
         return h + self.up(self.down(h))
 
 
+class DecoderBlockHead(ExitHead):
+    """One more decoder layer (a copy of the base's layer ``source_layer``, by default the layer
+    right after the exit) in front of the head's norm and the shared LM head. It attends to the
+    past, so the engine keeps K/V entries for it (an extra cache layer) at every position the
+    exit's band processes. Costs one layer per drafted token; buys the most agreement."""
+
+    head_type = "decoder_block"
+    has_cache = True
+
+    def __init__(self, hidden_size: int, norm_keys: list[str], source_layer: int, base: DecoderAdapter | None = None) -> None:
+        super().__init__(hidden_size, norm_keys)
+        if base is None:
+            raise AdapterError("a decoder_block head is built from its base model's layer: load it with the base")
+        if not 0 <= source_layer < base.num_layers:
+            raise AdapterError(f"decoder_block source_layer {source_layer} out of range 0..{base.num_layers - 1}")
+        self.source_layer = source_layer
+        self.block = copy.deepcopy(base.layers[source_layer]).float().requires_grad_(True)
+        self._kernels: LayerKernels | None = None
+
+    def options(self) -> dict[str, Any]:
+        return {"source_layer": self.source_layer}
+
+    def transform(self, h: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a decoder_block head attends to the past: use sequence_transform or extend")
+
+    def sequence_transform(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
+        return base.causal_block(self.block, h)
+
+    def forward(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
+        return self.project(self.sequence_transform(h, base), base)
+
+    def extend(self, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache, cache_layer: int,
+               base: DecoderAdapter) -> torch.Tensor:
+        if self._kernels is None:  # packed once, on first use (weights are frozen by then)
+            self._kernels = base.kernels(self.block)
+        return base.cached_block(self._kernels, h, meta, cache, cache_layer)
+
+    @classmethod
+    def from_base(cls, base: DecoderAdapter, layer: int, source_layer: int | None = None, **options: Any) -> ExitHead:
+        norm = base.norm_params()
+        head = cls(base.config.hidden_size, sorted(norm), layer if source_layer is None else source_layer, base)
+        with torch.no_grad():
+            for k in head.norm:
+                head.norm[k].copy_(norm[k].float())
+        return head
+
+
 HEAD_TYPES: dict[str, type[ExitHead]] = {
-    cls.head_type: cls for cls in (BaseExitHead, NormHead, ResidualLinearHead, LowRankHead)
+    cls.head_type: cls for cls in (BaseExitHead, NormHead, ResidualLinearHead, LowRankHead, DecoderBlockHead)
 }
 
 
@@ -118,9 +181,11 @@ def head_class(head_type: str) -> type[ExitHead]:
     return HEAD_TYPES[head_type]
 
 
-def build_head(head_type: str, hidden_size: int, norm_keys: list[str], options: dict[str, Any]) -> ExitHead:
+def build_head(head_type: str, hidden_size: int, norm_keys: list[str], options: dict[str, Any],
+               base: DecoderAdapter | None = None) -> ExitHead:
     """An uninitialised head of the given type and shape (weights come from a state dict)."""
+    cls = head_class(head_type)
     try:
-        return head_class(head_type)(hidden_size, norm_keys, **options)
+        return cls(hidden_size, norm_keys, **options, **({"base": base} if cls.has_cache else {}))
     except TypeError as exc:
         raise AdapterError(f"bad options {options} for head type {head_type!r}: {exc}") from exc

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from .adapter import HiSpecAdapter
-from .architectures import adapter_for
+from .architectures import DecoderAdapter, adapter_for
 from .engine import Engine
 from .errors import AdapterError, HiSpecError
 from .fingerprint import compute_fingerprint
@@ -46,12 +46,12 @@ class GenerateOutput:
 class HiSpecModel:
     """A frozen base model with early exits. Build with :meth:`from_pretrained`."""
 
-    def __init__(self, loaded: LoadedBase, adapter: HiSpecAdapter | None = None, pack_weights: bool = True) -> None:
+    def __init__(self, loaded: LoadedBase, arch: DecoderAdapter, adapter: HiSpecAdapter | None = None) -> None:
         self.base_model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.base_name = loaded.name
         self.adapter = adapter
-        self.arch = adapter_for(loaded.model, pack_weights)
+        self.arch = arch
         heads = {}
         if adapter is not None:
             heads = {int(k): h.to(self.arch.dtype).eval().requires_grad_(False) for k, h in adapter.heads.items()}
@@ -77,8 +77,9 @@ class HiSpecModel:
             heads = DEFAULT_HEADS_DIR
         if heads is not None and str(heads).lower() == NO_HEADS:
             heads = None
-        adapter = HiSpecAdapter.from_pretrained(heads, revision=revision) if heads is not None else None
         loaded = load_base(base, dtype)
+        arch = adapter_for(loaded.model, pack_weights)
+        adapter = HiSpecAdapter.from_pretrained(heads, revision=revision, base=arch) if heads is not None else None
         if adapter is not None:
             cfg = adapter.config
             shape = (loaded.model.config.num_hidden_layers, loaded.model.config.hidden_size, loaded.model.config.vocab_size)
@@ -88,7 +89,7 @@ class HiSpecModel:
                     f"{(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size)}, but base {loaded.name!r} has {shape}"
                 )
             cfg.check_base(compute_fingerprint(loaded.model), loaded.name)
-        return cls(loaded, adapter, pack_weights)
+        return cls(loaded, arch, adapter)
 
     @property
     def num_layers(self) -> int:

@@ -7,6 +7,7 @@ killed mid-write keeps the previous one: a killed run loses at most one save int
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -16,21 +17,34 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hispec_decode.adapter import HiSpecAdapter
+from hispec_decode.architectures import DecoderAdapter
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoint"
 OPTIMIZER_NAME = "optimizer.safetensors"
 STATE_NAME = "trainer_state.json"
 
 
-def save_checkpoint(run_dir: Path, adapter: HiSpecAdapter, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
+def save_checkpoint(run_dir: Path, adapter: HiSpecAdapter, optimizer: torch.optim.Optimizer | None,
+                    state: dict[str, Any]) -> Path:
+    """Heads, optimizer moments unless ``optimizer`` is None (DeepSpeed keeps them in its own,
+    pickled format, which we neither write nor read), and the trainer state."""
     tmp = run_dir / (CHECKPOINT_DIR + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     adapter.save_pretrained(tmp)
+    if optimizer is None:
+        (tmp / STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True))
+        return _replace(run_dir, tmp)
     opt = optimizer.state_dict()
     tensors = {f"{idx}.{k}": v.detach().cpu().contiguous() for idx, s in opt["state"].items() for k, v in s.items()
                if isinstance(v, torch.Tensor)}
     save_file(tensors, str(tmp / OPTIMIZER_NAME))
     (tmp / STATE_NAME).write_text(json.dumps(state | {"param_groups": opt["param_groups"]}, indent=2, sort_keys=True))
+    return _replace(run_dir, tmp)
+
+
+def _replace(run_dir: Path, tmp: Path) -> Path:
     final = run_dir / CHECKPOINT_DIR
     old = run_dir / (CHECKPOINT_DIR + ".old")
     if final.exists():
@@ -40,14 +54,18 @@ def save_checkpoint(run_dir: Path, adapter: HiSpecAdapter, optimizer: torch.opti
     return final
 
 
-def load_checkpoint(run_dir: Path, adapter: HiSpecAdapter, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+def load_checkpoint(run_dir: Path, adapter: HiSpecAdapter, optimizer: torch.optim.Optimizer,
+                    base: DecoderAdapter | None = None) -> dict[str, Any] | None:
     """Restore heads and optimizer from ``run_dir``'s checkpoint; returns the trainer state or None."""
     path = run_dir / CHECKPOINT_DIR
     if not (path / STATE_NAME).is_file():
         return None
-    saved = HiSpecAdapter.from_pretrained(path)
+    saved = HiSpecAdapter.from_pretrained(path, base=base)
     adapter.load_state_dict(saved.state_dict())
     state = json.loads((path / STATE_NAME).read_text())
+    if not (path / OPTIMIZER_NAME).is_file():
+        logger.warning("checkpoint %s holds no optimizer moments (a DeepSpeed run): AdamW restarts from zero", path)
+        return state
     tensors = load_file(str(path / OPTIMIZER_NAME))
     opt_state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():

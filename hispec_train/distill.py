@@ -34,7 +34,7 @@ def _chunk_losses(base: DecoderAdapter, heads: list[ExitHead], cfg: LossConfig, 
         p_t = log_p_t.exp()
     losses = []
     for head, h in zip(heads, hidden):
-        student = head(h, base).float()  # [B, c, V]
+        student = head.project(h, base).float()  # [B, c, V]
         log_p_s = F.log_softmax(student / cfg.temperature, dim=-1)
         loss = (p_t * (log_p_t - log_p_s)).sum() * cfg.temperature**2  # KL(teacher || head)
         if cfg.ce_weight and labels is not None:
@@ -53,6 +53,7 @@ def distillation_loss(base: DecoderAdapter, heads: list[ExitHead], hidden: list[
     state (after the final norm); ``input_ids``: [B, T] (labels are the next tokens).
     """
     B, T = input_ids.shape
+    hidden = [head.sequence_transform(h, base) for head, h in zip(heads, hidden)]  # attention-bearing heads see all of T
     labels = torch.full_like(input_ids, -100)
     labels[:, :-1] = input_ids[:, 1:]  # position t predicts token t+1; the last has no label
     total = None
@@ -86,10 +87,11 @@ def agreement(base: DecoderAdapter, heads: dict[int, ExitHead], hidden: dict[int
               teacher_hidden: torch.Tensor, draft: int, intermediate: int, chunk_size: int, into: Agreement) -> None:
     """Add the top-1 agreement of each head with the final layer (and draft with intermediate)."""
     T = teacher_hidden.shape[1]
+    transformed = {layer: head.sequence_transform(hidden[layer], base) for layer, head in heads.items()}
     for s in range(0, T, chunk_size):
         sl = slice(s, s + chunk_size)
         final = base.lm_logits(teacher_hidden[:, sl]).argmax(-1)
-        tops = {layer: head(hidden[layer][:, sl], base).argmax(-1) for layer, head in heads.items()}
+        tops = {layer: head.project(transformed[layer][:, sl], base).argmax(-1) for layer, head in heads.items()}
         for layer, top in tops.items():
             into.add(layer, int((top == final).sum()))
         if draft in tops and intermediate in tops:

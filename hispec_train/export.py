@@ -14,12 +14,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hispec_decode.adapter import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, HiSpecAdapter
+from hispec_decode.adapter import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, HiSpecAdapter, HiSpecAdapterConfig
+from hispec_decode.architectures import DecoderAdapter, adapter_for
+from hispec_decode.heads import head_class
+from hispec_decode.loading import load_base
 from hispec_decode.errors import HiSpecError
 from hispec_decode.fingerprint import fingerprint_id
 
 from .checkpoint import CHECKPOINT_DIR, STATE_NAME
 from .report import EVAL_NAME
+from .trainer import CONFIG_NAME as TRAIN_CONFIG_NAME
 
 
 def model_card(adapter: HiSpecAdapter, report: dict[str, Any], steps: int) -> str:
@@ -66,11 +70,20 @@ out = model.generate(input_ids, max_new_tokens=128, method="hispec")
 """
 
 
+def _base_if_needed(checkpoint: Path, run_dir: Path) -> DecoderAdapter | None:
+    """Heads built on a base layer (``decoder_block``) are rebuilt on the run's base model."""
+    config = HiSpecAdapterConfig.load(checkpoint)
+    if not any(head_class(e.head_type).has_cache for e in config.exits):
+        return None
+    base = json.loads((run_dir / TRAIN_CONFIG_NAME).read_text())["base"]
+    return adapter_for(load_base(base, "float32").model, pack_weights=False)
+
+
 def export(run_dir: Path, out: Path) -> HiSpecAdapter:
     checkpoint = run_dir / CHECKPOINT_DIR
     if not (checkpoint / CONFIG_NAME).is_file():
         raise HiSpecError(f"{run_dir} holds no finished checkpoint ({checkpoint} is missing)")
-    adapter = HiSpecAdapter.from_pretrained(checkpoint)
+    adapter = HiSpecAdapter.from_pretrained(checkpoint, base=_base_if_needed(checkpoint, run_dir))
     report = json.loads((run_dir / EVAL_NAME).read_text()) if (run_dir / EVAL_NAME).is_file() else {"untrained": {}, "history": [], "window": 0}
     steps = json.loads((checkpoint / STATE_NAME).read_text())["step"]
     adapter.config.training["steps"] = steps

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from hispec_decode.adapter import ExitSpec, HiSpecAdapter
 from hispec_decode.architectures import DecoderAdapter, adapter_for
+from hispec_decode.errors import HiSpecError
 from hispec_decode.heads import BaseExitHead
 from hispec_decode.loading import load_base
 
@@ -119,11 +120,20 @@ def train(cfg: TrainConfig) -> Path:
     untrained = evaluate(cfg, base, {l: BaseExitHead(adapter.config.hidden_size) for l in cfg.heads_layers}, data.eval)
     loss_module = HeadsLoss(adapter, base, LossConfig(cfg.kd_temperature, cfg.ce_weight, cfg.chunk_size))
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    deepspeed = accelerator.state.deepspeed_plugin is not None
+    if deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        raise HiSpecError("DeepSpeed ZeRO-3 is not supported: the frozen base runs outside the DeepSpeed engine, so its "
+                          "parameters cannot be sharded; use recipes/accelerate/zero2.yaml (optimizer/gradient sharding, "
+                          "optionally CPU offload)")
+    if deepspeed:  # no dataloader: tell DeepSpeed the micro-batch
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds_config["train_micro_batch_size_per_gpu"] = cfg.batch_size
+        ds_config["gradient_accumulation_steps"] = cfg.grad_accum
     loss_module, optimizer = accelerator.prepare(loss_module, optimizer)
 
     start, history = 0, []
     if cfg.resume:
-        state = load_checkpoint(run_dir, adapter, optimizer)
+        state = load_checkpoint(run_dir, adapter, optimizer, base)
         if state is not None:
             start, history = state["step"], state.get("history", [])
             logger.info("resumed from %s at step %d", run_dir / "checkpoint", start)
@@ -161,7 +171,7 @@ def train(cfg: TrainConfig) -> Path:
             if main:
                 write_eval_report(run_dir, cfg, untrained, history)
         if main and ((step + 1) % cfg.save_every == 0 or done):
-            save_checkpoint(run_dir, adapter, optimizer, {"step": step + 1, "history": history})
+            save_checkpoint(run_dir, adapter, None if deepspeed else optimizer, {"step": step + 1, "history": history})
         accelerator.wait_for_everyone()
     accelerator.end_training()
     return run_dir

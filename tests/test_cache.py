@@ -57,3 +57,31 @@ def test_pending_hidden_states_match_their_layers(hispec_models):
     fresh = engine.new_state(cache, 1, st.tokens, (4, model.num_layers))
     engine.advance([Advance(fresh, 0, 1)])
     assert torch.allclose(st.pending[1], fresh.pending[0], atol=1e-5)
+
+
+def test_decoder_block_head_cache_equals_its_sequence_transform(tiny_models):
+    """Drafting through the engine (head K/V cached, fed in pieces) gives the logits the head
+    computes over the whole sequence at once (how it is trained)."""
+    from hispec_decode import HiSpecAdapter
+    from hispec_decode.adapter import ExitSpec
+
+    tiny = tiny_models["qwen3"]
+    model = tiny.load()
+    adapter = HiSpecAdapter.create(model.arch, str(tiny.path), [ExitSpec(2, "draft", "decoder_block")])
+    head = adapter.head(2)
+    with torch.no_grad():
+        for p in head.block.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # no longer a copy of layer 2
+    engine = type(model.engine)(model.arch, {2: head.eval()})
+    tokens = [4, 8, 15, 16, 23, 42, 7, 1, 9]
+    cache = engine.new_cache(8, 4)
+    st = engine.new_state(cache, 0, tokens[:5], (2, model.num_layers))
+    got = [engine.advance([Advance(st, 0, 5)])[0]]
+    for t in tokens[5:]:
+        st.tokens.append(t)
+        got.append(engine.advance([Advance(st, 0, 1)])[0])
+    inner = getattr(tiny.reference, tiny.reference.base_model_prefix)
+    with torch.no_grad():
+        h2 = inner(input_ids=torch.tensor([tokens]), output_hidden_states=True).hidden_states[2]
+        want = head(h2, model.arch)[0]
+    assert torch.allclose(torch.cat(got), want, atol=1e-4)

@@ -129,6 +129,26 @@ def test_two_processes_train_the_same_heads_as_one(trainable_base, data_file, tm
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
 
 
+def test_deepspeed_zero2_step_on_cpu(trainable_base, data_file, tmp_path):
+    """recipes/accelerate/zero2.yaml trains on CPU (one process); skipped without DeepSpeed."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "zero2"
+    args = ["--base", str(trainable_base), "--dataset", str(data_file), "--heads-layers", "1,3", "--seq-len", "32",
+            "--batch-size", "4", "--max-steps", "4", "--eval-every", "4", "--save-every", "2", "--lr", "3e-3",
+            "--max-tokens", "none", "--report-to", "none", "--eval-batches", "1", "--output-dir", str(out)]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(ROOT / "recipes" / "accelerate" / "zero2.yaml"), "--num_processes", "1", "--mixed_precision", "no",
+              "--main_process_port", "29533"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*launch, str(ROOT / "scripts" / "train_heads.py"), *args], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = HiSpecAdapter.from_pretrained(out / "checkpoint")
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 4
+    assert torch.count_nonzero(trained.head(3).proj.weight.detach()) > 0, "the zero-initialised head moved"
+    report = json.loads((out / "eval.json").read_text())
+    assert report["history"][-1]["agreement/L3"] >= report["untrained"]["agreement/L3"]
+
+
 def test_every_recipe_validates():
     recipes = sorted((ROOT / "recipes").glob("*.yaml"))
     assert {r.stem for r in recipes} >= {"smollm2-135m", "llama-3-8b", "llama-2-7b", "codellama-34b", "qwen3-8b",
@@ -174,3 +194,27 @@ def test_truncated_json_array_is_read_record_by_record(tmp_path):
     path.write_text(text[: len(text) - 30])  # cut inside the last record
     got, skipped = read_json_records(path)
     assert [r["id"] for r in got] == [0, 1, 2, 3] and skipped == 1
+
+
+def test_decoder_block_heads_train_export_and_decode_losslessly(trainable_base, data_file, tmp_path):
+    """The heavier head: a copy of the next layer with its own cache entries."""
+    run = train(_cfg(trainable_base, data_file, tmp_path / "run", head_type="decoder_block", max_steps=10,
+                     eval_every=10, save_every=5))
+    report = json.loads((run / "eval.json").read_text())
+    assert report["history"][-1]["agreement/L3"] > report["untrained"]["agreement/L3"]
+    out = tmp_path / "heads"
+    adapter = export(run, out)
+    assert adapter.head(1).options() == {"source_layer": 1} and "1.block.mlp.down_proj.weight" in adapter.state_dict_flat()
+    with pytest.raises(HiSpecError, match="load it with the base"):
+        HiSpecAdapter.from_pretrained(out)
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(out))
+    prompts = [[5, 6, 7, 8], [9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+        for method in ("self_spec", "hispec"):
+            out_ = model.generate([prompt], max_new_tokens=24, method=method, window=3, num_draft=3)
+            assert out_.sequences[0] == ref[0, len(prompt):].tolist(), method
+    batched = model.generate(prompts, max_new_tokens=24, method="hispec", window=3, num_draft=3)
+    assert batched.sequences == [model.generate([p], max_new_tokens=24, method="hispec", window=3,
+                                                num_draft=3).sequences[0] for p in prompts]
