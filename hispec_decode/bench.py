@@ -172,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="batched throughput at these batch sizes instead (e.g. 1,2,4,8,16; prompts: max(B) unless "
                         "--num-prompts is given)")
     p.add_argument("--verify", default="eager", choices=["eager", "gather"],
-                   help="batched full-verification policy (see hispec_decode.serving)")
+                   help="batched full-verification policy (see hispec_decode.serving); a method may also name "
+                        "its own, e.g. --methods autoregressive,hispec:eager,hispec:gather")
+    p.add_argument("--max-batches", type=int, default=None,
+                   help="batched mode: decode at most this many batches per batch size (shorter runs)")
     add_policy_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -213,12 +216,13 @@ def _batched(args: argparse.Namespace, default_num_prompts: int) -> int:
     policy_args = dict(draft_layer=args.draft_layer, verify_layer=args.verify_layer, window=args.window,
                        num_draft=args.num_draft)
     results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "verify": args.verify,
-                               "num_prompts": num_prompts, "dtypes": {}}
+                               "num_prompts": num_prompts, "max_batches": args.max_batches, "dtypes": {}}
     for dtype in args.dtypes.split(","):
         model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=dtype)
         prompts = bench_prompts(model, num_prompts, args.prompts)
         methods = [m for m in args.methods.split(",") if m]
-        res = run_batched(model, prompts, sizes, args.max_new_tokens, methods, policy_args, args.verify)
+        res = run_batched(model, prompts, sizes, args.max_new_tokens, methods, policy_args, args.verify,
+                          args.max_batches)
         results["dtypes"][dtype] = res
         print(format_batched(res, dtype))
     if args.json is not None:

@@ -47,11 +47,12 @@ def hf_generate_padded(model, rows: list[list[int]], max_new_tokens: int, eos: f
 
 
 def run_batched(model, prompts: list[list[int]], batch_sizes: list[int], max_new_tokens: int, methods: list[str],
-                policy_args: dict[str, Any], verify: str = "eager") -> dict[str, Any]:
+                policy_args: dict[str, Any], verify: str = "eager", max_batches: int | None = None) -> dict[str, Any]:
+    """``methods`` may name a verification policy per method, e.g. ``hispec:gather``."""
     eos = model._eos(None)
     results: dict[str, Any] = {}
     for b in batch_sizes:
-        batches = [prompts[i : i + b] for i in range(0, len(prompts), b)]
+        batches = [prompts[i : i + b] for i in range(0, len(prompts), b)][:max_batches]
         tallies = {m: BatchTally() for m in methods}
         for m in methods:  # warm-up at this batch size
             _decode(model, m, batches[0], 4, policy_args, eos, verify)
@@ -75,13 +76,14 @@ def run_batched(model, prompts: list[list[int]], batch_sizes: list[int], max_new
 def _decode(model, method, batch, max_new_tokens, policy_args, eos, verify):
     if method == "transformers":
         return hf_generate_padded(model, batch, max_new_tokens, eos), None
-    out = model.generate(batch, max_new_tokens=max_new_tokens, method=method, verify=verify, **policy_args)
+    method, _, own_verify = method.partition(":")
+    out = model.generate(batch, max_new_tokens=max_new_tokens, method=method, verify=own_verify or verify, **policy_args)
     return out.sequences, out
 
 
 def _rows(tallies: dict[str, BatchTally]) -> dict[str, Any]:
     base = tallies.get("transformers")
-    ar = tallies.get("autoregressive")
+    ar = tallies.get("autoregressive") or tallies.get(next((m for m in tallies if m.startswith("autoregressive")), ""))
     rows = {}
     for m, t in tallies.items():
         tps = t.tokens / t.seconds if t.seconds else 0.0
@@ -109,7 +111,7 @@ def format_batched(results: dict[str, Any], dtype: str) -> str:
             def f(x, pct=False):
                 return "-" if x is None else (f"{100 * x:.1f}%" if pct else f"{x:.2f}")
             cache = "-" if not r["peak_cache_bytes"] else f"{r['peak_cache_bytes'] / 2**20:.1f}/{r['needed_cache_bytes'] / 2**20:.1f} MiB"
-            lines.append(f"{b:>5} {m:15} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
+            lines.append(f"{b:>5} {m:15.15} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
                          f"{f(r['ratio_to_autoregressive']):>6} {f(r['acceptance_intermediate'], True):>8} "
                          f"{f(r['acceptance_final'], True):>8} {r['matches_transformers'] or '-':>7} {cache:>16}")
     return "\n".join(lines)

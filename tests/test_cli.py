@@ -44,3 +44,19 @@ def test_bench_sweep_writes_table_json_and_plot(tiny_models, tmp_path):
     assert next(r for r in rows if r["method"] == "autoregressive")["speedup_vs_autoregressive"] == 1.0
     assert (out / "sweep-float32.md").read_text().startswith("| configuration")
     assert (out / "sweep-float32.png").stat().st_size > 1000
+
+
+def test_bench_batch_sizes_reports_every_method_at_every_size(tiny_models, tmp_path, capsys):
+    out = tmp_path / "batched.json"
+    assert bench.main(["--base", str(tiny_models["llama"].path), "--dtypes", "float32", "--batch-sizes", "1,3",
+                       "--max-new-tokens", "8", "--json", str(out), "--draft-layer", "1", "--verify-layer", "3",
+                       "--methods", "transformers,autoregressive,self_spec,hispec:eager,hispec:gather"]) == 0
+    results = json.loads(out.read_text())["dtypes"]["float32"]
+    assert set(results) == {"1", "3"}
+    for size, rows in results.items():
+        assert set(rows) == {"transformers", "autoregressive", "self_spec", "hispec:eager", "hispec:gather"}
+        assert rows["autoregressive"]["ratio_to_autoregressive"] == 1.0
+        # 3 prompts: the padded transformers batch and every engine method agree row by row (fp32)
+        assert all(r["matches_transformers"] == "3/3" for r in rows.values()), size
+        assert rows["hispec:gather"]["peak_cache_bytes"] >= rows["hispec:gather"]["needed_cache_bytes"] > 0
+    assert "batched throughput" in capsys.readouterr().out
