@@ -202,10 +202,8 @@ class HiSpecModel:
         t0 = time.perf_counter()
         ids = [self.add_request(server, r, max_new_tokens, params, None if seed is None else seed + i, eos_token_id)
                for i, r in enumerate(rows)]
-        peak = 0
         while server.has_unfinished():
             server.step()
-            peak = max(peak, server.cache.manager.usage()["slots_held"])
         seconds = time.perf_counter() - t0
         runs = [server.done[i] for i in ids]
         counters = Counters()
@@ -214,8 +212,8 @@ class HiSpecModel:
         sequences = [run.tokens[run.prompt_length :] for run in runs]
         stats = _stats(method, server.policy, counters, sequences, seconds)
         stats.update(steps=server.steps, preemptions=server.preemptions,
-                     peak_cache_bytes=peak * server.cache.bytes_per_token(),
-                     needed_cache_bytes=sum(len(r.tokens) for r in runs) * server.cache.bytes_per_token())
+                     peak_cache_bytes=server.peak_slots * server.cache.bytes_per_token(),
+                     needed_cache_bytes=server.peak_tokens * server.cache.bytes_per_token())
         return GenerateOutput(sequences, stats, runs)
 
 

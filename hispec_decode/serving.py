@@ -10,14 +10,16 @@ Verification policy (``verify``), i.e. when sequences waiting for the full model
 * ``"eager"`` (default): every step serves every sequence; a full verification rides in the
   same sweep as the others' drafts and checks (band 0 is run once for all of them).
 * ``"gather"``: sequences whose window is full wait until no sequence needs anything but the
-  full model, so each full pass verifies as many sequences as possible.
+  full model (or one of them has waited ``MAX_GATHER_WAIT`` steps), so each full pass verifies
+  as many sequences as possible.
 
 Running out of KV blocks never corrupts a sequence: before a step the blocks it needs are
 counted; if the pool is short, the most recently admitted sequence is preempted (its blocks
 freed, its uncommitted tokens dropped) and re-queued; it later recomputes its cache from its
-committed tokens (vLLM's recompute preemption). New requests wait in the queue until their
-prompt fits. A single sequence that cannot fit in the whole pool fails with
-:class:`OutOfBlocksError`.
+committed tokens (vLLM's recompute preemption), and its sampler's random state is rewound to
+its last commit, so even sampled output is the same as without preemption. New requests wait in
+the queue until their prompt fits. A request whose prompt plus token limit cannot fit in the
+whole pool is refused by ``add_request`` with :class:`OutOfBlocksError`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .sampling import TokenSampler
 from .strategies import Policy, Run, Steps, Strategy
 
 VERIFY_POLICIES = ("eager", "gather")
+MAX_GATHER_WAIT = 8  # steps a full window may wait under "gather" before everyone is served
 
 
 @dataclass
@@ -53,6 +56,7 @@ class _Request:
     waiting: Advance | None = None
     reported: int = 0  # committed tokens already streamed (prompt included)
     preemptions: int = 0
+    idle: int = 0  # consecutive steps this request waited without being served
 
 
 class ServingEngine:
@@ -69,16 +73,19 @@ class ServingEngine:
         self.done: dict[int, Run] = {}
         self.preemptions = 0
         self.steps = 0
+        self.peak_slots = 0  # most KV slots held by allocated blocks at once
+        self.peak_tokens = 0  # most tokens the sequences held at once
         self._ids = itertools.count()
 
     def add_request(self, prompt: list[int], sampler: TokenSampler, limit: int, eos: frozenset[int]) -> int:
         """Queue a prompt; it joins the running batch at the next step with room for it."""
-        rid = next(self._ids)
-        if self.cache.manager.blocks_for(len(prompt) + 1) > self.cache.manager.num_blocks:
+        manager = self.cache.manager
+        if manager.blocks_for(limit) > manager.num_blocks:
             raise OutOfBlocksError(
-                f"prompt of {len(prompt)} tokens cannot fit a KV cache of {self.cache.manager.num_blocks} blocks of "
-                f"{self.cache.block_size} tokens"
+                f"a request of {len(prompt)} prompt tokens and up to {limit - len(prompt)} new ones cannot fit a KV "
+                f"cache of {manager.num_blocks} blocks of {self.cache.block_size} tokens; raise num_blocks"
             )
+        rid = next(self._ids)
         state = DecodeState(rid, list(prompt), self.cache, self.exits)  # blocks are taken on admission
         run = Run(self.engine, state, sampler, limit, eos, len(prompt), self.policy)
         self.queue.append(_Request(rid, run, reported=len(prompt)))
@@ -94,6 +101,11 @@ class ServingEngine:
             return []
         batch = self._make_room()
         logits = self.engine.advance([r.waiting for r in batch])
+        usage = self.cache.manager.usage()  # the step's high point: drafts written, nothing truncated yet
+        self.peak_slots = max(self.peak_slots, usage["slots_held"])
+        self.peak_tokens = max(self.peak_tokens, usage["tokens_needed"])
+        for req in self.running:
+            req.idle = 0 if req in batch else req.idle + 1
         outputs = []
         for req, lg in zip(batch, logits):
             try:
@@ -136,7 +148,8 @@ class ServingEngine:
         if self.verify == "gather":
             last = len(self.exits) - 1
             cheap = [r for r in self.running if r.waiting.top < last]
-            if cheap:
+            starving = any(r.idle >= MAX_GATHER_WAIT for r in self.running)  # e.g. new requests keep arriving
+            if cheap and not starving:
                 return cheap
         return list(self.running)
 
@@ -161,6 +174,7 @@ class ServingEngine:
         run = req.run
         self.engine.release(run.state)
         del run.tokens[run.committed :]
+        run.sampler.generator.set_state(run.rng_state)  # redraw what was dropped: same samples as without preemption
         req.steps, req.waiting = None, None
         req.preemptions += 1
         self.preemptions += 1

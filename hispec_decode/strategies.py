@@ -65,8 +65,11 @@ class Run:
     finished: bool = False
     committed: int = 0  # tokens[:committed] are final (prompt + verified by the full model)
 
+    rng_state: torch.Tensor | None = None  # the sampler's random state at the last commit
+
     def __post_init__(self) -> None:
         self.committed = max(self.committed, len(self.state.tokens))
+        self.rng_state = self.sampler.generator.get_state()
 
     @property
     def tokens(self) -> list[int]:
@@ -105,6 +108,7 @@ class Run:
         if eos_at is not None:
             self.engine.truncate(self.state, eos_at + 1)
         self.committed = len(self.tokens)
+        self.rng_state = self.sampler.generator.get_state()
         self.finished = eos_at is not None or self.room() == 0
 
 

@@ -98,12 +98,24 @@ def test_small_cache_preempts_and_recomputes_without_changing_a_token(method, hi
         assert out.stats["preemptions"] > 0
 
 
+def test_preemption_keeps_sampled_output_too(hispec_models):
+    """The sampler is rewound to the last commit: a small cache draws the same samples."""
+    model = hispec_models["llama"]
+    kw = dict(max_new_tokens=NEW, method="hispec", do_sample=True, temperature=0.9, seed=3, **POLICY)
+    roomy = model.generate(PROMPTS[:8], **kw)
+    tight = model.generate(PROMPTS[:8], num_blocks=14, block_size=4, **kw)
+    assert tight.stats["preemptions"] > 0 and tight.sequences == roomy.sequences
+
+
 def test_cache_that_cannot_hold_one_sequence_fails_clearly(hispec_models):
     model = hispec_models["llama"]
-    with pytest.raises(OutOfBlocksError, match="whole KV cache"):
+    with pytest.raises(OutOfBlocksError, match="cannot fit a KV cache of 3 blocks"):
         model.generate([PROMPTS[5]], max_new_tokens=40, num_blocks=3, block_size=8)
-    with pytest.raises(OutOfBlocksError, match="cannot fit"):
-        model.generate([PROMPTS[5]], max_new_tokens=4, num_blocks=2, block_size=8)
+    server = model.serve("hispec", num_blocks=4, block_size=8)
+    model.add_request(server, PROMPTS[0], max_new_tokens=8)
+    with pytest.raises(OutOfBlocksError, match="raise num_blocks"):  # refused up front; the queue is untouched
+        model.add_request(server, PROMPTS[5], max_new_tokens=20)
+    assert len(server.queue) == 1
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -141,3 +153,17 @@ def test_sampled_batch_rows_follow_their_own_seeds(hispec_models):
     kw = dict(max_new_tokens=NEW, do_sample=True, temperature=0.8, method="hispec", **POLICY)
     batch = model.generate(PROMPTS[:4], seed=10, **kw).sequences
     assert batch == [model.generate([p], seed=10 + i, **kw).sequences[0] for i, p in enumerate(PROMPTS[:4])]
+
+
+def test_gather_policy_does_not_starve_verification_under_steady_arrivals(hispec_models, alone):
+    model = hispec_models["llama"]
+    server = model.serve("hispec", num_blocks=256, block_size=4, verify="gather", **POLICY)
+    first = model.add_request(server, PROMPTS[0], max_new_tokens=NEW)
+    committed: list[int] = []
+    for step in range(40):
+        model.add_request(server, PROMPTS[1 + step % 15], max_new_tokens=4)  # a new drafter every step
+        for o in server.step():
+            if o.request_id == first:
+                committed += o.new_tokens
+    # without the wait cap nothing would ever be verified while drafters keep arriving
+    assert len(committed) >= 3 and committed == alone["llama", "hispec"][0][: len(committed)]
