@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default=None, metavar="B1,B2,...",
                    help="batched throughput at these batch sizes instead (e.g. 1,2,4,8,16; prompts: max(B) unless "
                         "--num-prompts is given)")
-    p.add_argument("--verify", default="eager", choices=["eager", "gather"],
+    p.add_argument("--verify", default="gather", choices=["eager", "gather"],
                    help="batched full-verification policy (see hispec_decode.serving); a method may also name "
                         "its own, e.g. --methods autoregressive,hispec:eager,hispec:gather")
     p.add_argument("--max-batches", type=int, default=None,

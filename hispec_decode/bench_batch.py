@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .serving import DEFAULT_VERIFY
 from .strategies import Counters
 
 
@@ -47,7 +48,7 @@ def hf_generate_padded(model, rows: list[list[int]], max_new_tokens: int, eos: f
 
 
 def run_batched(model, prompts: list[list[int]], batch_sizes: list[int], max_new_tokens: int, methods: list[str],
-                policy_args: dict[str, Any], verify: str = "eager", max_batches: int | None = None) -> dict[str, Any]:
+                policy_args: dict[str, Any], verify: str = DEFAULT_VERIFY, max_batches: int | None = None) -> dict[str, Any]:
     """``methods`` may name a verification policy per method, e.g. ``hispec:gather``."""
     eos = model._eos(None)
     results: dict[str, Any] = {}

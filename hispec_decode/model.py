@@ -19,7 +19,7 @@ from .fingerprint import compute_fingerprint
 from .loading import LoadedBase, load_base
 from .block_manager import DEFAULT_BLOCK_SIZE
 from .sampling import SamplingParams, TokenSampler
-from .serving import VERIFY_POLICIES, ServingEngine
+from .serving import DEFAULT_VERIFY, VERIFY_POLICIES, ServingEngine
 from .strategies import STRATEGIES, Counters, Policy, Run
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class HiSpecModel:
 
     def serve(self, method: str = "hispec", draft_layer: int | None = None, verify_layer: int | None = None,
               window: int | None = None, num_draft: int | None = None, num_blocks: int = 1024,
-              block_size: int = DEFAULT_BLOCK_SIZE, verify: str = "eager") -> ServingEngine:
+              block_size: int = DEFAULT_BLOCK_SIZE, verify: str = DEFAULT_VERIFY) -> ServingEngine:
         """A continuous-batching engine (``add_request`` / ``step`` / ``stream``) over a paged KV
         cache of ``num_blocks`` blocks of ``block_size`` tokens."""
         if method not in STRATEGIES:
@@ -186,7 +186,7 @@ class HiSpecModel:
         eos_token_id: int | Sequence[int] | None = None,
         num_blocks: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        verify: str = "eager",
+        verify: str = DEFAULT_VERIFY,
     ) -> GenerateOutput:
         """Decode all rows as one continuous batch (prompts may differ in length; each row
         accepts its own number of tokens). Greedy output equals the base model's, sampled output
