@@ -64,11 +64,16 @@ class ExitHead(nn.Module):
     def from_base(cls, base: DecoderAdapter, layer: int, **options: Any) -> ExitHead:
         """A head for exit ``layer``, initialised to reproduce the base's own exit there."""
         norm = base.norm_params()
-        head = cls(base.config.hidden_size, sorted(norm), **options)
+        head = cls(base.config.hidden_size, sorted(norm), **cls.init_options(base, layer, options))
         with torch.no_grad():
             for k in head.norm:
                 head.norm[k].copy_(norm[k].float())
         return head
+
+    @classmethod
+    def init_options(cls, base: DecoderAdapter, layer: int, options: dict[str, Any]) -> dict[str, Any]:
+        """Constructor options of a new head at exit ``layer`` (beyond hidden size and norm keys)."""
+        return options
 
 
 class BaseExitHead(ExitHead):
@@ -161,13 +166,8 @@ class DecoderBlockHead(ExitHead):
         return base.cached_block(self._kernels, h, meta, cache, cache_layer)
 
     @classmethod
-    def from_base(cls, base: DecoderAdapter, layer: int, source_layer: int | None = None, **options: Any) -> ExitHead:
-        norm = base.norm_params()
-        head = cls(base.config.hidden_size, sorted(norm), layer if source_layer is None else source_layer, base)
-        with torch.no_grad():
-            for k in head.norm:
-                head.norm[k].copy_(norm[k].float())
-        return head
+    def init_options(cls, base: DecoderAdapter, layer: int, options: dict[str, Any]) -> dict[str, Any]:
+        return {"source_layer": layer} | options | {"base": base}  # default: the layer right after the exit
 
 
 HEAD_TYPES: dict[str, type[ExitHead]] = {
