@@ -61,10 +61,6 @@ class AttentionMeta:
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: [1, 1, T, head_dim]
 
     @property
-    def num_new(self) -> int:
-        return int(self.positions.shape[0])
-
-    @property
     def contiguous_positions(self) -> slice | None:
         """The positions as a slice when they are one run ``a, a+1, ...`` (one segment)."""
         if len(self.segments) == 1:

@@ -84,7 +84,7 @@ def _decode(model, method, batch, max_new_tokens, policy_args, eos, verify):
 
 def _rows(tallies: dict[str, BatchTally]) -> dict[str, Any]:
     base = tallies.get("transformers")
-    ar = tallies.get("autoregressive") or tallies.get(next((m for m in tallies if m.startswith("autoregressive")), ""))
+    ar = next((t for m, t in tallies.items() if m.partition(":")[0] == "autoregressive"), None)
     rows = {}
     for m, t in tallies.items():
         tps = t.tokens / t.seconds if t.seconds else 0.0

@@ -69,13 +69,3 @@ class PagedKVCache:
     def bytes_per_token(self) -> int:
         k = self.keys[0]
         return 2 * len(self.keys) * k.shape[0] * k.shape[2] * k.element_size()
-
-    def memory(self) -> dict[str, int]:
-        """Bytes the pool holds, bytes its allocated blocks hold, bytes the sequences need."""
-        usage = self.manager.usage()
-        per_token = self.bytes_per_token()
-        return {
-            "pool_bytes": per_token * self.manager.num_blocks * self.block_size,
-            "allocated_bytes": per_token * usage["slots_held"],
-            "needed_bytes": per_token * usage["tokens_needed"],
-        }

@@ -27,7 +27,7 @@ def _kwargs(method: str) -> dict:
 
 @pytest.fixture(scope="module")
 def alone(hispec_models):
-    """Each prompt decoded on its own (batch of one) by each method, and by transformers."""
+    """Each prompt decoded on its own (batch of one) by each method."""
     out = {}
     for arch in ARCHS:
         for method in METHODS:
