@@ -11,8 +11,10 @@ each, and on CPU every linear runs on oneDNN-packed weights (see :mod:`hispec_de
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -58,6 +60,12 @@ class DecoderAdapter(ABC):
         self.max_positions: int = self.config.max_position_embeddings
         self.lm_head: nn.Module = model.get_output_embeddings()
         self.lm_head_kernel = FusedLinear([self.lm_head], pack_weights)
+        self.kept_norm: dict[str, torch.Tensor] | None = None  # see keep_exit
+
+    @cached_property
+    def layer_kernels(self) -> list[LayerKernels]:
+        """Kernels of every base layer, built on first use (training never runs them)."""
+        return [self.kernels(layer) for layer in self.layers]
 
     def linear(self, *linears: nn.Linear) -> FusedLinear:
         return FusedLinear(list(linears), self.pack)
@@ -89,8 +97,18 @@ class DecoderAdapter(ABC):
         """Rotary tables of positions ``0..length-1`` (None for learned positions)."""
 
     @abstractmethod
+    def model_norm_params(self) -> dict[str, torch.Tensor]:
+        """The model's final norm parameters."""
+
     def norm_params(self) -> dict[str, torch.Tensor]:
         """The final norm's parameters (a head may own a trainable copy)."""
+        return self.kept_norm if self.kept_norm is not None else self.model_norm_params()
+
+    def keep_exit(self, device: torch.device) -> None:
+        """Use private, whole copies of the final norm and the LM head from now on: for when the
+        model's own parameters are about to be partitioned (training under ZeRO-3)."""
+        self.lm_head_kernel = FusedLinear([copy.deepcopy(self.lm_head).to(device)], pack=False)
+        self.kept_norm = {k: v.detach().clone().to(device) for k, v in self.model_norm_params().items()}
 
     @abstractmethod
     def exit_norm(self, h: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
@@ -139,8 +157,8 @@ class DecoderAdapter(ABC):
         return h
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The shared LM head (input: the output of :meth:`exit_norm`)."""
-        return self.lm_head_kernel(h)
+        """The shared LM head (input: the output of :meth:`exit_norm`, cast to the model's dtype)."""
+        return self.lm_head_kernel(h.to(self.dtype))
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_logits(self.exit_norm(h))
@@ -170,7 +188,6 @@ class LlamaAdapter(DecoderAdapter):
         self.layers = self.inner.layers
         self._head_dim = self.layers[0].self_attn.head_dim
         self._num_kv_heads = self.config.num_key_value_heads
-        self.layer_kernels = [self.kernels(layer) for layer in self.layers]
         rope_type = (getattr(self.config, "rope_parameters", None) or {}).get("rope_type", "default")
         self._static_rope = rope_type not in ("dynamic", "longrope")
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -247,11 +264,11 @@ class LlamaAdapter(DecoderAdapter):
         gate, up = k.mlp_in(x)
         return h + k.mlp_out(layer.mlp.act_fn(gate) * up)
 
-    def norm_params(self) -> dict[str, torch.Tensor]:
+    def model_norm_params(self) -> dict[str, torch.Tensor]:
         return {"weight": self.inner.norm.weight}
 
     def exit_norm(self, h: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        weight = self.inner.norm.weight if params is None else params["weight"]
+        weight = (self.norm_params() if params is None else params)["weight"]
         return weight * F.rms_norm(h.float(), (h.shape[-1],), None, self.inner.norm.variance_epsilon).to(h.dtype)
 
 
@@ -263,7 +280,6 @@ class OPTAdapter(DecoderAdapter):
         self.inner = model.model.decoder
         self.layers = self.inner.layers
         self.pre_ln = self.config.do_layer_norm_before
-        self.layer_kernels = [self.kernels(layer) for layer in self.layers]
         self._num_heads = self.config.num_attention_heads
         self._head_dim = self.config.hidden_size // self._num_heads
 
@@ -310,7 +326,7 @@ class OPTAdapter(DecoderAdapter):
         h = h + k.mlp_out(layer.activation_fn(up))
         return h if self.pre_ln else layer.final_layer_norm(h)
 
-    def norm_params(self) -> dict[str, torch.Tensor]:
+    def model_norm_params(self) -> dict[str, torch.Tensor]:
         norm = self.inner.final_layer_norm
         if norm is None or norm.weight is None:
             return {}

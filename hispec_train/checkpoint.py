@@ -54,22 +54,26 @@ def _replace(run_dir: Path, tmp: Path) -> Path:
     return final
 
 
-def load_checkpoint(run_dir: Path, adapter: HiSpecAdapter, optimizer: torch.optim.Optimizer,
-                    base: DecoderAdapter | None = None) -> dict[str, Any] | None:
-    """Restore heads and optimizer from ``run_dir``'s checkpoint; returns the trainer state or None."""
+def load_heads(run_dir: Path, adapter: HiSpecAdapter, base: DecoderAdapter | None = None) -> dict[str, Any] | None:
+    """Restore the heads from ``run_dir``'s checkpoint; returns the trainer state, or None when
+    there is no checkpoint. Call it before DeepSpeed copies the heads into its own buffers."""
     path = run_dir / CHECKPOINT_DIR
     if not (path / STATE_NAME).is_file():
         return None
     saved = HiSpecAdapter.from_pretrained(path, base=base)
     adapter.load_state_dict(saved.state_dict())
-    state = json.loads((path / STATE_NAME).read_text())
+    return json.loads((path / STATE_NAME).read_text())
+
+
+def load_optimizer(run_dir: Path, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Restore the AdamW moments saved beside the heads (absent after a DeepSpeed run)."""
+    path = run_dir / CHECKPOINT_DIR
     if not (path / OPTIMIZER_NAME).is_file():
         logger.warning("checkpoint %s holds no optimizer moments (a DeepSpeed run): AdamW restarts from zero", path)
-        return state
+        return
     tensors = load_file(str(path / OPTIMIZER_NAME))
     opt_state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         idx, name = key.split(".", 1)
         opt_state.setdefault(int(idx), {})[name] = value
-    optimizer.load_state_dict({"state": opt_state, "param_groups": state.pop("param_groups")})
-    return state
+    optimizer.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from hispec_decode.errors import HiSpecError
+from hispec_decode.loading import parse_dtype
 from hispec_decode.heads import HEAD_TYPES
 
 
@@ -38,6 +39,7 @@ class TrainConfig:
     ce_weight: float = 0.0
     chunk_size: int = 128
     mixed_precision: str = "no"  # accelerate: no, bf16, fp16
+    base_dtype: str = "float32"  # the frozen base's weights (bfloat16 halves their memory; heads stay float32)
     # bookkeeping
     eval_every: int = 50
     eval_batches: int = 8
@@ -64,6 +66,7 @@ class TrainConfig:
             raise HiSpecError(f"lr must be > 0; got {self.lr}")
         if not 0 <= self.ce_weight <= 1:
             raise HiSpecError(f"ce_weight must be in [0, 1]; got {self.ce_weight}")
+        parse_dtype(self.base_dtype)
 
     def check_layers(self, num_layers: int) -> None:
         bad = [l for l in self.heads_layers if l >= num_layers]

@@ -25,6 +25,11 @@ class LossConfig:
     chunk_size: int = 128  # positions per chunk
 
 
+def heads_dtype(heads: list[ExitHead], default: torch.dtype) -> torch.dtype:
+    """The dtype the heads compute in (DeepSpeed may have cast them), ``default`` if parameter-free."""
+    return next((p.dtype for head in heads for p in head.parameters()), default)
+
+
 def _chunk_losses(base: DecoderAdapter, heads: list[ExitHead], cfg: LossConfig, teacher_hidden: torch.Tensor,
                   labels: torch.Tensor | None, *hidden: torch.Tensor) -> torch.Tensor:
     """Summed (over tokens) loss of every head on one chunk; shapes [B, c, H] -> [n_heads]."""
@@ -53,7 +58,8 @@ def distillation_loss(base: DecoderAdapter, heads: list[ExitHead], hidden: list[
     state (after the final norm); ``input_ids``: [B, T] (labels are the next tokens).
     """
     B, T = input_ids.shape
-    hidden = [head.sequence_transform(h, base) for head, h in zip(heads, hidden)]  # attention-bearing heads see all of T
+    dtype = heads_dtype(heads, hidden[0].dtype)
+    hidden = [head.sequence_transform(h.to(dtype), base) for head, h in zip(heads, hidden)]  # attention-bearing heads see all of T
     labels = torch.full_like(input_ids, -100)
     labels[:, :-1] = input_ids[:, 1:]  # position t predicts token t+1; the last has no label
     total = None
@@ -87,7 +93,8 @@ def agreement(base: DecoderAdapter, heads: dict[int, ExitHead], hidden: dict[int
               teacher_hidden: torch.Tensor, draft: int, intermediate: int, chunk_size: int, into: Agreement) -> None:
     """Add the top-1 agreement of each head with the final layer (and draft with intermediate)."""
     T = teacher_hidden.shape[1]
-    transformed = {layer: head.sequence_transform(hidden[layer], base) for layer, head in heads.items()}
+    dtype = heads_dtype(list(heads.values()), teacher_hidden.dtype)
+    transformed = {layer: head.sequence_transform(hidden[layer].to(dtype), base) for layer, head in heads.items()}
     for s in range(0, T, chunk_size):
         sl = slice(s, s + chunk_size)
         final = base.lm_logits(teacher_hidden[:, sl]).argmax(-1)

@@ -22,15 +22,15 @@ from tqdm.auto import tqdm
 
 from hispec_decode.adapter import ExitSpec, HiSpecAdapter
 from hispec_decode.architectures import DecoderAdapter, adapter_for
-from hispec_decode.errors import HiSpecError
 from hispec_decode.heads import BaseExitHead
 from hispec_decode.loading import load_base
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_heads, load_optimizer, save_checkpoint
 from .config import TrainConfig
 from .data import build_dataset
 from .distill import Agreement, LossConfig, agreement, distillation_loss, expected_accepted
 from .report import write_eval_report
+from .zero import check_whole, gathered, loading_whole, heads_config, shard_base, zero_stage
 
 logger = logging.getLogger(__name__)
 CONFIG_NAME = "train_config.json"
@@ -50,9 +50,10 @@ class HeadsLoss(nn.Module):
         return distillation_loss(self.base[0], heads, hidden, teacher_hidden, input_ids, self.loss_cfg)
 
 
-def base_forward(model: nn.Module, input_ids: torch.Tensor, layers: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Hidden states after each exit layer [B, T, H] and the final (normed) hidden state."""
-    inner = getattr(model, model.base_model_prefix)
+def base_forward(inner: nn.Module, input_ids: torch.Tensor, layers: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Hidden states after each exit layer [B, T, H] and the final (normed) hidden state.
+
+    ``inner``: the base's decoder (``model.<base_model_prefix>``) or its ZeRO-3 engine."""
     with torch.no_grad():
         out = inner(input_ids=input_ids, output_hidden_states=True)
     return [out.hidden_states[l] for l in layers], out.last_hidden_state
@@ -78,13 +79,14 @@ def batch_indices(step: int, micro: int, cfg: TrainConfig, n_blocks: int, rank: 
     return out
 
 
-def evaluate(cfg: TrainConfig, base: DecoderAdapter, heads: dict[int, nn.Module], blocks: torch.Tensor) -> dict[str, float]:
+def evaluate(cfg: TrainConfig, base: DecoderAdapter, inner: nn.Module, heads: dict[int, nn.Module],
+             blocks: torch.Tensor) -> dict[str, float]:
     """Top-1 agreement of each head with the final layer on held-out blocks, and derived numbers."""
     layers = cfg.heads_layers
     counts = Agreement()
     for s in range(0, min(len(blocks), cfg.eval_batches * cfg.batch_size), cfg.batch_size):
         ids = blocks[s : s + cfg.batch_size].to(base.device)
-        hidden, final = base_forward(base.model, ids, layers)
+        hidden, final = base_forward(inner, ids, layers)
         agreement(base, heads, dict(zip(layers, hidden)), final, layers[0], layers[min(1, len(layers) - 1)],
                   cfg.chunk_size, counts)
     rates = counts.rates()
@@ -101,8 +103,11 @@ def train(cfg: TrainConfig) -> Path:
     main = accelerator.is_main_process
 
     # the frozen base, its exit machinery, and the data --------------------------------------
-    loaded = load_base(cfg.base, "float32")
-    model = loaded.model.to(accelerator.device)
+    stage = zero_stage(accelerator)
+    with loading_whole(accelerator):
+        loaded = load_base(cfg.base, cfg.base_dtype)
+    check_whole(loaded.model)
+    model = loaded.model if stage == 3 else loaded.model.to(accelerator.device)  # ZeRO-3 partitions it on the host
     base = adapter_for(model, pack_weights=False)
     cfg.check_layers(base.num_layers)
     data = build_dataset(cfg.dataset, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.eval_fraction, cfg.seed)
@@ -111,32 +116,36 @@ def train(cfg: TrainConfig) -> Path:
         (run_dir / CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
         logger.info("data: %d train blocks, %d held-out blocks of %d tokens", len(data.train), len(data.eval), cfg.seq_len)
 
-    # the heads, initialised to reproduce the base's own exits -------------------------------
+    # the heads, initialised to reproduce the base's own exits (or restored from a checkpoint) -
     specs = [ExitSpec(l, role, cfg.head_type, cfg.head_options) for l, role in zip(cfg.heads_layers, cfg.roles())]
     adapter = HiSpecAdapter.create(base, loaded.name, specs, training={
         "dataset": cfg.dataset, "records_used": data.records_used, "records_skipped": data.records_skipped,
         "train_tokens_available": int(data.train.numel()), "seq_len": cfg.seq_len, "head_type": cfg.head_type})
-    adapter.to(accelerator.device)
-    untrained = evaluate(cfg, base, {l: BaseExitHead(adapter.config.hidden_size) for l in cfg.heads_layers}, data.eval)
+    adapter.to(accelerator.device, torch.float32)  # heads train in float32 whatever the base's dtype
+    state = load_heads(run_dir, adapter, base) if cfg.resume else None  # before DeepSpeed copies them
+    inner = getattr(model, model.base_model_prefix)
+    if stage == 3:
+        base.keep_exit(accelerator.device)
+        inner = shard_base(inner, accelerator.state.deepspeed_plugin.deepspeed_config, adapter.config.hidden_size,
+                           cfg.batch_size)
+    untrained = evaluate(cfg, base, inner, {l: BaseExitHead(adapter.config.hidden_size) for l in cfg.heads_layers},
+                         data.eval)
     loss_module = HeadsLoss(adapter, base, LossConfig(cfg.kd_temperature, cfg.ce_weight, cfg.chunk_size))
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    deepspeed = accelerator.state.deepspeed_plugin is not None
-    if deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        raise HiSpecError("DeepSpeed ZeRO-3 is not supported: the frozen base runs outside the DeepSpeed engine, so its "
-                          "parameters cannot be sharded; use recipes/accelerate/zero2.yaml (optimizer/gradient sharding, "
-                          "optionally CPU offload)")
-    if deepspeed:  # no dataloader: tell DeepSpeed the micro-batch
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds_config["train_micro_batch_size_per_gpu"] = cfg.batch_size
-        ds_config["gradient_accumulation_steps"] = cfg.grad_accum
+    if stage:  # no dataloader: tell DeepSpeed the micro-batch (and, for ZeRO-3, what stays whole)
+        heads_config(accelerator.state.deepspeed_plugin.deepspeed_config, adapter, adapter.config.hidden_size,
+                     cfg.batch_size, cfg.grad_accum, accelerator.num_processes, zero3=stage == 3)
     loss_module, optimizer = accelerator.prepare(loss_module, optimizer)
 
     start, history = 0, []
-    if cfg.resume:
-        state = load_checkpoint(run_dir, adapter, optimizer, base)
-        if state is not None:
-            start, history = state["step"], state.get("history", [])
-            logger.info("resumed from %s at step %d", run_dir / "checkpoint", start)
+    if state is not None:
+        start, history = state["step"], state.get("history", [])
+        if stage:
+            logger.warning("DeepSpeed keeps AdamW moments in its own (pickled) format, which HiSpec does not "
+                           "write: the optimizer restarts from zero")
+        else:
+            load_optimizer(run_dir, optimizer, state)
+        logger.info("resumed from %s at step %d", run_dir / "checkpoint", start)
     if cfg.report_to != "none":
         accelerator.init_trackers("hispec", config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
                                                      for k, v in cfg.to_dict().items()})
@@ -151,7 +160,7 @@ def train(cfg: TrainConfig) -> Path:
         for micro in range(cfg.grad_accum):
             idx = batch_indices(step, micro, cfg, len(data.train), accelerator.process_index, accelerator.num_processes)
             ids = data.train[idx].to(accelerator.device)  # [B, T]
-            hidden, final = base_forward(model, ids, cfg.heads_layers)  # k x [B, T, H], [B, T, H']
+            hidden, final = base_forward(inner, ids, cfg.heads_layers)  # k x [B, T, H], [B, T, H']
             with accelerator.accumulate(loss_module):
                 losses = loss_module(hidden, final, ids)  # [n_heads], mean KD per token
                 accelerator.backward(losses.sum())
@@ -164,14 +173,16 @@ def train(cfg: TrainConfig) -> Path:
             accelerator.log(logs | {"tokens_per_second": speed}, step=step + 1)
         done = step + 1 == cfg.max_steps
         if (step + 1) % cfg.eval_every == 0 or done:
-            rates = evaluate(cfg, base, {l: adapter.head(l) for l in cfg.heads_layers}, data.eval)
+            rates = evaluate(cfg, base, inner, {l: adapter.head(l) for l in cfg.heads_layers}, data.eval)
             history.append({"step": step + 1, **logs, **rates})
             if cfg.report_to != "none":
                 accelerator.log(rates, step=step + 1)
             if main:
                 write_eval_report(run_dir, cfg, untrained, history)
-        if main and ((step + 1) % cfg.save_every == 0 or done):
-            save_checkpoint(run_dir, adapter, None if deepspeed else optimizer, {"step": step + 1, "history": history})
+        if (step + 1) % cfg.save_every == 0 or done:
+            with gathered(adapter):  # collective under ZeRO-3; only the main process writes
+                if main:
+                    save_checkpoint(run_dir, adapter, None if stage else optimizer, {"step": step + 1, "history": history})
         accelerator.wait_for_everyone()
     accelerator.end_training()
     return run_dir

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from hispec_decode import CONFIG_NAME, WEIGHTS_NAME, FingerprintMismatchError, HiSpecAdapter, HiSpecError, HiSpecModel
 from hispec_decode.architectures import adapter_for
@@ -48,7 +49,7 @@ def _heldout_loss(base_path: Path, data_file: Path, adapter: HiSpecAdapter) -> f
     base = adapter_for(loaded.model, pack_weights=False)
     cfg = _cfg(base_path, data_file, Path("unused"))
     data = build_dataset(str(data_file), loaded.tokenizer, 32, None, cfg.eval_fraction, cfg.seed)
-    hidden, final = base_forward(loaded.model, data.eval, [1, 3])
+    hidden, final = base_forward(loaded.model.model, data.eval, [1, 3])
     with torch.no_grad():
         return float(distillation_loss(base, [adapter.head(1), adapter.head(3)], hidden, final, data.eval, LossConfig()).sum())
 
@@ -63,6 +64,19 @@ def test_training_lowers_heldout_loss_and_raises_agreement(trained_run, trainabl
     assert last["step"] == 30
     assert last["agreement/L3"] > report["untrained"]["agreement/L3"]
     assert (trained_run / "agreement.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("head_type", ["residual_linear", "decoder_block"])
+def test_bfloat16_base_trains_float32_heads(head_type, trainable_base, data_file, tmp_path):
+    """``base_dtype: bfloat16`` halves the frozen base; the heads still train (and are saved) in float32."""
+    run = train(_cfg(trainable_base, data_file, tmp_path / "bf16", base_dtype="bfloat16", head_type=head_type,
+                     max_steps=10, eval_every=10))
+    trained = load_file(str(run / "checkpoint" / WEIGHTS_NAME))
+    assert all(t.dtype == torch.float32 for t in trained.values())
+    report = json.loads((run / "eval.json").read_text())
+    assert report["history"][-1]["agreement/L3"] > report["untrained"]["agreement/L3"]
+    with pytest.raises(HiSpecError, match="dtype"):
+        _cfg(trainable_base, data_file, tmp_path, base_dtype="int8")
 
 
 def _specs(adapter):
@@ -129,24 +143,50 @@ def test_two_processes_train_the_same_heads_as_one(trainable_base, data_file, tm
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
 
 
-def test_deepspeed_zero2_step_on_cpu(trainable_base, data_file, tmp_path):
-    """recipes/accelerate/zero2.yaml trains on CPU (one process); skipped without DeepSpeed."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_step_and_resume_on_cpu(stage, trainable_base, data_file, tmp_path):
+    """recipes/accelerate/zero{2,3}.yaml train on CPU (one process; skipped without DeepSpeed), and
+    a resumed run continues from the checkpoint's heads: resumed at a negligible learning rate,
+    the heads stay where the checkpoint left them (not where DeepSpeed's copy started)."""
     pytest.importorskip("deepspeed")
-    out = tmp_path / "zero2"
+    out = tmp_path / f"zero{stage}"
     args = ["--base", str(trainable_base), "--dataset", str(data_file), "--heads-layers", "1,3", "--seq-len", "32",
-            "--batch-size", "4", "--max-steps", "4", "--eval-every", "4", "--save-every", "2", "--lr", "3e-3",
-            "--max-tokens", "none", "--report-to", "none", "--eval-batches", "1", "--output-dir", str(out)]
+            "--batch-size", "4", "--eval-every", "4", "--save-every", "2", "--max-tokens", "none",
+            "--report-to", "none", "--eval-batches", "1", "--output-dir", str(out)]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              str(ROOT / "recipes" / "accelerate" / "zero2.yaml"), "--num_processes", "1", "--mixed_precision", "no",
-              "--main_process_port", "29533"]
+              str(ROOT / "recipes" / "accelerate" / f"zero{stage}.yaml"), "--num_processes", "1",
+              "--mixed_precision", "no", "--main_process_port", str(29530 + stage), str(ROOT / "scripts" / "train_heads.py")]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*launch, str(ROOT / "scripts" / "train_heads.py"), *args], env=env, capture_output=True, text=True)
+    done = subprocess.run([*launch, *args, "--max-steps", "4", "--lr", "3e-3"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    trained = HiSpecAdapter.from_pretrained(out / "checkpoint")
+    trained = HiSpecAdapter.from_pretrained(out / "checkpoint").state_dict_flat()
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 4
-    assert torch.count_nonzero(trained.head(3).proj.weight.detach()) > 0, "the zero-initialised head moved"
+    assert torch.count_nonzero(trained["3.proj.weight"]) > 0, "the zero-initialised head moved"
     report = json.loads((out / "eval.json").read_text())
     assert report["history"][-1]["agreement/L3"] >= report["untrained"]["agreement/L3"]
+
+    done = subprocess.run([*launch, *args, "--max-steps", "6", "--lr", "1e-9", "--resume", "true"], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr and "optimizer restarts from zero" in done.stderr
+    resumed = HiSpecAdapter.from_pretrained(out / "checkpoint").state_dict_flat()
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 6
+    assert all(torch.allclose(resumed[k], trained[k], atol=1e-6) for k in trained)
+
+
+def test_zero3_shards_the_base_across_two_processes(trainable_base, tmp_path):
+    """Two CPU processes (gloo): each holds half of the base, and the sharded base computes the
+    same hidden states and exit logits as the whole model."""
+    pytest.importorskip("deepspeed")
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29535", str(ROOT / "tests" / "zero3_worker.py"), str(trainable_base), str(tmp_path)],
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["partitioned"] and report["held_fraction"] <= 0.55, report
+        assert report["max_diff"] < 1e-6 and report["logits_diff"] < 1e-6, report
 
 
 def test_every_recipe_validates():
