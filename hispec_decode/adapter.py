@@ -51,6 +51,7 @@ class ExitHeadConfig:
     norm_keys: list[str]
     shapes: dict[str, list[int]]  # parameter name -> shape, as stored
     options: dict[str, Any] = field(default_factory=dict)
+    exit_vocab: int = 0  # size of the head's reduced vocabulary (its token ids stored as "<layer>.vocab"); 0: full
 
 
 @dataclass
@@ -182,7 +183,9 @@ class HiSpecAdapter(nn.Module):
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         for e in self.config.exits:  # the config describes exactly what is stored
-            e.shapes = {k: list(v.shape) for k, v in self.head(e.layer).state_dict().items()}
+            head = self.head(e.layer)
+            e.shapes = {k: list(v.shape) for k, v in head.state_dict().items()}
+            e.exit_vocab = 0 if head.vocab is None else head.vocab.numel()
         tmp = out / (WEIGHTS_NAME + ".tmp")
         save_file(self.state_dict_flat(), str(tmp), metadata={"format": "pt", "hispec_format_version": str(FORMAT_VERSION)})
         os.replace(tmp, out / WEIGHTS_NAME)
@@ -206,6 +209,8 @@ class HiSpecAdapter(nn.Module):
         heads = {}
         for e in config.exits:
             head = build_head(e.head_type, config.hidden_size, e.norm_keys, e.options, base)
+            if e.exit_vocab:
+                head.set_vocab(torch.arange(e.exit_vocab))  # a placeholder of the stored size
             prefix = f"{e.layer}."
             state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
             expected = head.state_dict()
@@ -217,6 +222,8 @@ class HiSpecAdapter(nn.Module):
             for k, v in state.items():
                 if tuple(v.shape) != tuple(expected[k].shape):
                     raise AdapterError(f"{weights}: {prefix}{k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
+            if e.exit_vocab:
+                _check_vocab(state["vocab"], config.vocab_size, f"{weights}: {prefix}vocab")
             head.load_state_dict(state)
             heads[e.layer] = head
         stray = [k for k in tensors if k.split(".", 1)[0] not in {str(e.layer) for e in config.exits}]
@@ -240,6 +247,13 @@ class HiSpecAdapter(nn.Module):
             info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision,
                                      commit_message=commit_message)
         return str(info)
+
+
+def _check_vocab(ids: torch.Tensor, vocab_size: int, where: str) -> None:
+    if ids.dtype != torch.long or ids.dim() != 1:
+        raise AdapterError(f"{where}: an exit vocabulary is a 1-d int64 tensor of token ids")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size or bool((ids[1:] <= ids[:-1]).any())):
+        raise AdapterError(f"{where}: token ids must be sorted, distinct and in 0..{vocab_size - 1}")
 
 
 def _resolve(source: str | os.PathLike, revision: str | None) -> Path:

@@ -12,6 +12,7 @@ each, and on CPU every linear runs on oneDNN-packed weights (see :mod:`hispec_de
 from __future__ import annotations
 
 import copy
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
@@ -61,6 +62,7 @@ class DecoderAdapter(ABC):
         self.lm_head: nn.Module = model.get_output_embeddings()
         self.lm_head_kernel = FusedLinear([self.lm_head], pack_weights)
         self.kept_norm: dict[str, torch.Tensor] | None = None  # see keep_exit
+        self._vocab_kernels: dict[tuple[int, int, torch.device] | str, FusedLinear] = {}  # see vocab_logits
 
     @cached_property
     def layer_kernels(self) -> list[LayerKernels]:
@@ -107,7 +109,8 @@ class DecoderAdapter(ABC):
     def keep_exit(self, device: torch.device) -> None:
         """Use private, whole copies of the final norm and the LM head from now on: for when the
         model's own parameters are about to be partitioned (training under ZeRO-3)."""
-        self.lm_head_kernel = FusedLinear([copy.deepcopy(self.lm_head).to(device)], pack=False)
+        self.lm_head = copy.deepcopy(self.lm_head).to(device)
+        self.lm_head_kernel = FusedLinear([self.lm_head], pack=False)
         self.kept_norm = {k: v.detach().clone().to(device) for k, v in self.model_norm_params().items()}
 
     @abstractmethod
@@ -159,6 +162,30 @@ class DecoderAdapter(ABC):
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The shared LM head (input: the output of :meth:`exit_norm`, cast to the model's dtype)."""
         return self.lm_head_kernel(h.to(self.dtype))
+
+    def vocab_logits(self, h: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
+        """The LM head restricted to the rows ``vocab`` (token ids): their logits, ``-inf`` for
+        every other token. Costs ``len(vocab) / vocab_size`` of the full LM head (a reduced
+        early-exit vocabulary; the sub-matrix is cut and packed once per vocabulary)."""
+        key = (vocab.data_ptr(), vocab.numel(), vocab.device)
+        kernel = self._vocab_kernels.get(key)
+        if kernel is None:  # heads with equal vocabularies share one kernel
+            content = hashlib.sha256(vocab.cpu().numpy().tobytes()).hexdigest()
+            kernel = self._vocab_kernels[key] = self._vocab_kernels.get(content) or self._vocab_kernel(vocab)
+            self._vocab_kernels[content] = kernel
+        small = kernel(h.to(self.dtype))  # [..., len(vocab)]
+        out = small.new_full((*small.shape[:-1], self.lm_head.out_features), float("-inf"))
+        out[..., vocab] = small
+        return out
+
+    def _vocab_kernel(self, vocab: torch.Tensor) -> FusedLinear:
+        full = self.lm_head
+        sub = nn.Linear(full.in_features, vocab.numel(), bias=full.bias is not None, device=self.device, dtype=self.dtype)
+        with torch.no_grad():
+            sub.weight.copy_(full.weight[vocab])
+            if full.bias is not None:
+                sub.bias.copy_(full.bias[vocab])
+        return FusedLinear([sub.requires_grad_(False)], self.pack)
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_logits(self.exit_norm(h))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .bench_batch import method_variant
 from .cli import add_model_args, add_policy_args
 from .engine import Advance
 from .prompts import CHAT_PROMPTS, encode_prompt, prompt_set
@@ -105,7 +106,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         tallies = {m: Tally() for m in methods}
         for m in methods:  # warm-up: first calls allocate and tune kernels
             if m != "transformers":
-                model.generate([prompts[0]], max_new_tokens=8, method=m, **policy_args)
+                method, options = method_variant(m)
+                model.generate([prompts[0]], max_new_tokens=8, method=method, **options, **policy_args)
             else:
                 _hf_generate(model, prompts[0], 8)
         for i, prompt in enumerate(tqdm(prompts, desc=f"bench {dtype}", unit="prompt")):
@@ -115,7 +117,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     tokens = _hf_generate(model, prompt, args.max_new_tokens)
                     counters = Counters()
                 else:
-                    (run,) = model.generate([prompt], max_new_tokens=args.max_new_tokens, method=m, **policy_args).runs
+                    method, options = method_variant(m)
+                    (run,) = model.generate([prompt], max_new_tokens=args.max_new_tokens, method=method, **options,
+                                            **policy_args).runs
                     tokens, counters = run.tokens[len(prompt):], run.counters
                 tally = tallies[m]
                 tally.seconds += time.perf_counter() - t0
@@ -160,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hispec-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated dtypes, each benchmarked in turn")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated methods, each optionally METHOD:VARIANT: full_vocab (early exits ignore the "
+                        "heads' reduced vocabulary), eager or gather (batched verification policy)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=len(CHAT_PROMPTS))
     p.add_argument("--prompts", default="builtin", choices=["builtin", "sharegpt", "humaneval", "mixed"],

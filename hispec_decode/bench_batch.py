@@ -74,11 +74,24 @@ def run_batched(model, prompts: list[list[int]], batch_sizes: list[int], max_new
     return results
 
 
-def _decode(model, method, batch, max_new_tokens, policy_args, eos, verify):
-    if method == "transformers":
+def method_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """``method[:variant]`` -> (method, ``generate`` keywords): variants ``eager``/``gather`` set
+    the batched verification policy, ``full_vocab`` ignores the heads' reduced vocabularies."""
+    method, _, variant = spec.partition(":")
+    if variant in ("eager", "gather"):
+        return method, {"verify": variant}
+    if variant == "full_vocab":
+        return method, {"exit_vocab": False}
+    if variant:
+        raise ValueError(f"unknown method variant {variant!r} in {spec!r} (eager, gather, full_vocab)")
+    return method, {}
+
+
+def _decode(model, spec, batch, max_new_tokens, policy_args, eos, verify):
+    if spec == "transformers":
         return hf_generate_padded(model, batch, max_new_tokens, eos), None
-    method, _, own_verify = method.partition(":")
-    out = model.generate(batch, max_new_tokens=max_new_tokens, method=method, verify=own_verify or verify, **policy_args)
+    method, options = method_variant(spec)
+    out = model.generate(batch, max_new_tokens=max_new_tokens, method=method, **({"verify": verify} | options | policy_args))
     return out.sequences, out
 
 

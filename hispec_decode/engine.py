@@ -56,9 +56,10 @@ class Advance:
 class Engine:
     """A base model (through its :class:`DecoderAdapter`) plus exit heads by layer."""
 
-    def __init__(self, base: DecoderAdapter, heads: dict[int, ExitHead] | None = None) -> None:
+    def __init__(self, base: DecoderAdapter, heads: dict[int, ExitHead] | None = None, exit_vocab: bool = True) -> None:
         self.base = base
         self.heads = dict(heads or {})
+        self.exit_vocab = exit_vocab  # use the heads' reduced vocabularies, where they have one
         # exit heads with their own attention keep K/V in extra cache layers after the base's
         cached = sorted(layer for layer, head in self.heads.items() if head.has_cache)
         self.head_cache_layer = {layer: base.num_layers + j for j, layer in enumerate(cached)}
@@ -136,7 +137,8 @@ class Engine:
         head = self.heads.get(layer)
         if layer == self.base.num_layers or head is None:
             return self.base.final_logits(h)[0]
-        return head.project(h if layer in self.head_cache_layer else head.transform(h), self.base)[0]
+        h = h if layer in self.head_cache_layer else head.transform(h)
+        return head.project(h, self.base, restrict=self.exit_vocab)[0]
 
     def truncate(self, st: DecodeState, length: int) -> None:
         """Forget every token at position >= ``length``, in all bands and pending states."""

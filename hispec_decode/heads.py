@@ -32,6 +32,17 @@ class ExitHead(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
         self.norm = nn.ParameterDict({k: nn.Parameter(torch.ones(hidden_size)) for k in norm_keys})
+        self.vocab: torch.Tensor | None
+        self.register_buffer("vocab", None)  # see set_vocab; stored with the weights when set
+
+    def set_vocab(self, ids: torch.Tensor | None) -> None:
+        """Restrict this exit's predictions to the token ids ``ids`` (sorted, unique), or lift the
+        restriction (None). Lossless: only early exits are restricted, the final layer never is."""
+        if ids is not None:
+            ids = ids.to(torch.long).clone()  # each head owns its copy (safetensors refuses shared storage)
+            if ids.dim() != 1 or ids.numel() == 0 or (ids.numel() > 1 and bool((ids[1:] <= ids[:-1]).any())):
+                raise AdapterError("an exit vocabulary is a non-empty, sorted list of distinct token ids")
+        self.vocab = ids
 
     def options(self) -> dict[str, Any]:
         """Constructor options beyond hidden size and norm keys (written to the adapter config)."""
@@ -45,10 +56,14 @@ class ExitHead(nn.Module):
         """The head's transform over whole sequences [B, T, hidden] (training, evaluation)."""
         return self.transform(h)
 
-    def project(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
-        """The head's norm and the shared LM head: transformed [..., hidden] -> logits [..., vocab]."""
+    def project(self, h: torch.Tensor, base: DecoderAdapter, restrict: bool = True) -> torch.Tensor:
+        """The head's norm and the shared LM head: transformed [..., hidden] -> logits [..., vocab]
+        (``-inf`` outside the head's vocabulary, if it has one and ``restrict``)."""
         params = dict(self.norm.items()) if len(self.norm) else None
-        return base.lm_logits(base.exit_norm(h, params))
+        x = base.exit_norm(h, params)
+        if restrict and self.vocab is not None:
+            return base.vocab_logits(x, self.vocab)
+        return base.lm_logits(x)
 
     def forward(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
         """Hidden states after the exit layer [..., hidden] -> logits [..., vocab]."""
@@ -84,7 +99,7 @@ class BaseExitHead(ExitHead):
     def __init__(self, hidden_size: int, norm_keys: list[str] | None = None) -> None:
         super().__init__(hidden_size, [])
 
-    def project(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
+    def project(self, h: torch.Tensor, base: DecoderAdapter, restrict: bool = True) -> torch.Tensor:
         return base.final_logits(h)
 
 

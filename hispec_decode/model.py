@@ -148,16 +148,18 @@ class HiSpecModel:
 
     def serve(self, method: str = "hispec", draft_layer: int | None = None, verify_layer: int | None = None,
               window: int | None = None, num_draft: int | None = None, num_blocks: int = 1024,
-              block_size: int = DEFAULT_BLOCK_SIZE, verify: str = DEFAULT_VERIFY) -> ServingEngine:
+              block_size: int = DEFAULT_BLOCK_SIZE, verify: str = DEFAULT_VERIFY, exit_vocab: bool = True) -> ServingEngine:
         """A continuous-batching engine (``add_request`` / ``step`` / ``stream``) over a paged KV
-        cache of ``num_blocks`` blocks of ``block_size`` tokens."""
+        cache of ``num_blocks`` blocks of ``block_size`` tokens. ``exit_vocab=False`` ignores the
+        heads' reduced vocabularies (early exits predict over the full vocabulary)."""
         if method not in STRATEGIES:
             raise HiSpecError(f"unknown method {method!r}; choose one of {', '.join(STRATEGIES)}")
         if verify not in VERIFY_POLICIES:
             raise HiSpecError(f"verify policy must be one of {', '.join(VERIFY_POLICIES)}; got {verify!r}")
         policy = self.policy(method, draft_layer, verify_layer, window, num_draft)
-        cache = self.engine.new_cache(num_blocks, block_size)
-        return ServingEngine(self.engine, STRATEGIES[method], policy, cache, verify)
+        engine = self.engine if exit_vocab else Engine(self.arch, self.engine.heads, exit_vocab=False)
+        cache = engine.new_cache(num_blocks, block_size)
+        return ServingEngine(engine, STRATEGIES[method], policy, cache, verify)
 
     def add_request(self, server: ServingEngine, prompt: Sequence[int], max_new_tokens: int = 64,
                     sampling: SamplingParams | None = None, seed: int | None = None,
@@ -187,6 +189,7 @@ class HiSpecModel:
         num_blocks: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         verify: str = DEFAULT_VERIFY,
+        exit_vocab: bool = True,
     ) -> GenerateOutput:
         """Decode all rows as one continuous batch (prompts may differ in length; each row
         accepts its own number of tokens). Greedy output equals the base model's, sampled output
@@ -197,7 +200,7 @@ class HiSpecModel:
         rows = self._rows(input_ids)
         if num_blocks is None:
             num_blocks = sum(-(-min(len(r) + max_new_tokens, self.arch.max_positions) // block_size) for r in rows)
-        server = self.serve(method, draft_layer, verify_layer, window, num_draft, num_blocks, block_size, verify)
+        server = self.serve(method, draft_layer, verify_layer, window, num_draft, num_blocks, block_size, verify, exit_vocab)
         params = SamplingParams(do_sample, temperature, top_k, top_p)
         t0 = time.perf_counter()
         ids = [self.add_request(server, r, max_new_tokens, params, None if seed is None else seed + i, eos_token_id)

@@ -39,6 +39,7 @@ class TrainConfig:
     ce_weight: float = 0.0
     chunk_size: int = 128
     mixed_precision: str = "no"  # accelerate: no, bf16, fp16
+    exit_vocab: int = 0  # > 0: early exits predict over the K most frequent training tokens (hispec_train.vocab)
     base_dtype: str = "float32"  # the frozen base's weights (bfloat16 halves their memory; heads stay float32)
     # bookkeeping
     eval_every: int = 50
@@ -67,6 +68,8 @@ class TrainConfig:
         if not 0 <= self.ce_weight <= 1:
             raise HiSpecError(f"ce_weight must be in [0, 1]; got {self.ce_weight}")
         parse_dtype(self.base_dtype)
+        if self.exit_vocab < 0:
+            raise HiSpecError(f"exit_vocab must be >= 0 (0: the full vocabulary); got {self.exit_vocab}")
 
     def check_layers(self, num_layers: int) -> None:
         bad = [l for l in self.heads_layers if l >= num_layers]

@@ -39,7 +39,7 @@ def _chunk_losses(base: DecoderAdapter, heads: list[ExitHead], cfg: LossConfig, 
         p_t = log_p_t.exp()
     losses = []
     for head, h in zip(heads, hidden):
-        student = head.project(h, base).float()  # [B, c, V]
+        student = head.project(h, base, restrict=False).float()  # [B, c, V]: trained on the full vocabulary
         log_p_s = F.log_softmax(student / cfg.temperature, dim=-1)
         loss = (p_t * (log_p_t - log_p_s)).sum() * cfg.temperature**2  # KL(teacher || head)
         if cfg.ce_weight and labels is not None:

@@ -1,8 +1,11 @@
-"""``hispec-export RUN_DIR --out DIR [--push-to-hub REPO_ID] [--private] [--revision R]``.
+"""``hispec-export RUN_DIR --out DIR [--exit-vocab K] [--push-to-hub REPO_ID] [--private] [--revision R]``.
 
 Writes the adapter of a training run (config, heads-only safetensors) plus a ``README.md``
 model card with the base, its fingerprint, the exits, the training data and steps, and the
-measured agreement table; optionally uploads the directory to the Hub.
+measured agreement table; optionally uploads the directory to the Hub. ``--exit-vocab K``
+restricts the early exits to the K most frequent tokens of the run's training data (no
+retraining: the heads are trained on the full vocabulary) and measures the held-out agreement
+with that vocabulary for the card.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hispec_decode.adapter import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, HiSpecAdapter, HiSpecAdapterConfig
 from hispec_decode.architectures import DecoderAdapter, adapter_for
 from hispec_decode.heads import head_class
@@ -22,8 +27,12 @@ from hispec_decode.errors import HiSpecError
 from hispec_decode.fingerprint import fingerprint_id
 
 from .checkpoint import CHECKPOINT_DIR, STATE_NAME
+from .config import TrainConfig, load_config
+from .data import build_dataset
 from .report import EVAL_NAME
 from .trainer import CONFIG_NAME as TRAIN_CONFIG_NAME
+from .trainer import evaluate, set_exit_vocab
+from .vocab import exit_vocabulary
 
 
 def model_card(adapter: HiSpecAdapter, report: dict[str, Any], steps: int) -> str:
@@ -33,11 +42,23 @@ def model_card(adapter: HiSpecAdapter, report: dict[str, Any], steps: int) -> st
     rows = "\n".join(
         f"| {e.layer} | {e.role} | {e.head_type} | {report['untrained'].get(f'agreement/L{e.layer}', float('nan')):.3f} "
         f"| {last.get(f'agreement/L{e.layer}', float('nan')):.3f} |" for e in cfg.exits)
+    vocab = report.get("exit_vocab")
+    if vocab:
+        rows = "\n".join(f"{row} {vocab['agreement'].get(f'agreement/L{e.layer}', float('nan')):.3f} |"
+                         for row, e in zip(rows.split("\n"), cfg.exits))
     extra = ""
     if "agreement/draft_vs_intermediate" in last:
         extra = (f"\nDraft agrees with the intermediate exit on {last['agreement/draft_vs_intermediate']:.3f} of tokens; "
                  f"expected accepted length at the intermediate exit for a window of {report['window']}: "
                  f"{last.get('expected_accepted/intermediate', float('nan')):.2f}.\n")
+    vocab_header, vocab_rule, vocab_note = "", "", ""
+    if vocab:
+        vocab_header, vocab_rule = f" trained head, {vocab['size']}-token exit vocabulary |", "---|"
+    k, coverage = (vocab["size"], vocab["coverage"]) if vocab else (cfg.training.get("exit_vocab"), cfg.training.get("exit_vocab_coverage"))
+    if k:
+        vocab_note = (f"\nThe early exits predict over a reduced vocabulary: the {k} most frequent tokens of the "
+                      f"training data ({100 * coverage:.1f}% of its tokens); the final layer always uses all "
+                      f"{cfg.vocab_size}, so decoding stays lossless.\n")
     return f"""---
 library_name: hispec
 base_model: {cfg.base_model}
@@ -55,10 +76,10 @@ Heads only ({size:,} parameters); the base model is not included.
 
 ## Held-out top-1 agreement with the final layer
 
-| layer | role | head | untrained exit (norm + LM head) | trained head |
-|---|---|---|---|---|
+| layer | role | head | untrained exit (norm + LM head) | trained head |{vocab_header}
+|---|---|---|---|---|{vocab_rule}
 {rows}
-{extra}
+{extra}{vocab_note}
 ## Usage
 
 ```python
@@ -70,21 +91,41 @@ out = model.generate(input_ids, max_new_tokens=128, method="hispec")
 """
 
 
+def _run_config(run_dir: Path) -> TrainConfig:
+    data = json.loads((run_dir / TRAIN_CONFIG_NAME).read_text())
+    return load_config(None, {k: v for k, v in data.items() if k in TrainConfig.__dataclass_fields__})
+
+
 def _base_if_needed(checkpoint: Path, run_dir: Path) -> DecoderAdapter | None:
     """Heads built on a base layer (``decoder_block``) are rebuilt on the run's base model."""
     config = HiSpecAdapterConfig.load(checkpoint)
     if not any(head_class(e.head_type).has_cache for e in config.exits):
         return None
-    base = json.loads((run_dir / TRAIN_CONFIG_NAME).read_text())["base"]
-    return adapter_for(load_base(base, "float32").model, pack_weights=False)
+    return adapter_for(load_base(_run_config(run_dir).base, "float32").model, pack_weights=False)
 
 
-def export(run_dir: Path, out: Path) -> HiSpecAdapter:
+def restrict_vocab(adapter: HiSpecAdapter, run_dir: Path, size: int) -> dict[str, Any]:
+    """Give the heads the run's ``size``-token exit vocabulary; returns it with its held-out agreement."""
+    cfg = _run_config(run_dir)
+    loaded = load_base(cfg.base, "float32")
+    base = adapter_for(loaded.model, pack_weights=False)
+    data = build_dataset(cfg.dataset, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.eval_fraction, cfg.seed)
+    vocab = exit_vocabulary(data.train, size, base.vocab_size, loaded.tokenizer.all_special_ids)
+    set_exit_vocab(adapter, vocab)
+    heads = {e.layer: adapter.head(e.layer) for e in adapter.config.exits}
+    with torch.no_grad():
+        rates = evaluate(cfg, base, getattr(loaded.model, loaded.model.base_model_prefix), heads, data.eval)
+    return {"size": size, "coverage": vocab.coverage, "agreement": rates}
+
+
+def export(run_dir: Path, out: Path, exit_vocab: int = 0) -> HiSpecAdapter:
     checkpoint = run_dir / CHECKPOINT_DIR
     if not (checkpoint / CONFIG_NAME).is_file():
         raise HiSpecError(f"{run_dir} holds no finished checkpoint ({checkpoint} is missing)")
     adapter = HiSpecAdapter.from_pretrained(checkpoint, base=_base_if_needed(checkpoint, run_dir))
     report = json.loads((run_dir / EVAL_NAME).read_text()) if (run_dir / EVAL_NAME).is_file() else {"untrained": {}, "history": [], "window": 0}
+    if exit_vocab:
+        report["exit_vocab"] = restrict_vocab(adapter, run_dir, exit_vocab)
     steps = json.loads((checkpoint / STATE_NAME).read_text())["step"]
     adapter.config.training["steps"] = steps
     tmp = out.with_name(out.name + ".tmp")
@@ -100,12 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hispec-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--exit-vocab", type=int, default=0, metavar="K",
+                   help="restrict the early exits to the K most frequent training tokens (measured for the card)")
     p.add_argument("--push-to-hub", metavar="REPO_ID", default=None)
     p.add_argument("--private", action="store_true")
     p.add_argument("--revision", default=None)
     args = p.parse_args(argv)
     try:
-        adapter = export(args.run_dir, args.out)
+        adapter = export(args.run_dir, args.out, args.exit_vocab)
     except HiSpecError as exc:
         print(f"hispec-export: error: {exc}", file=sys.stderr)
         return 2

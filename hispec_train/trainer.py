@@ -30,6 +30,7 @@ from .config import TrainConfig
 from .data import build_dataset
 from .distill import Agreement, LossConfig, agreement, distillation_loss, expected_accepted
 from .report import write_eval_report
+from .vocab import ExitVocab, exit_vocabulary
 from .zero import check_whole, gathered, loading_whole, heads_config, shard_base, zero_stage
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,13 @@ class HeadsLoss(nn.Module):
     def forward(self, hidden: list[torch.Tensor], teacher_hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         heads = [self.adapter.heads[k] for k in sorted(self.adapter.heads, key=int)]
         return distillation_loss(self.base[0], heads, hidden, teacher_hidden, input_ids, self.loss_cfg)
+
+
+def set_exit_vocab(adapter: HiSpecAdapter, vocab: ExitVocab) -> None:
+    """Restrict every head to ``vocab`` (decoding and evaluation; the loss uses the full vocabulary)."""
+    for head in adapter.heads.values():
+        head.set_vocab(vocab.ids)
+    adapter.config.training |= {"exit_vocab": int(vocab.ids.numel()), "exit_vocab_coverage": vocab.coverage}
 
 
 def base_forward(inner: nn.Module, input_ids: torch.Tensor, layers: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -121,6 +129,9 @@ def train(cfg: TrainConfig) -> Path:
     adapter = HiSpecAdapter.create(base, loaded.name, specs, training={
         "dataset": cfg.dataset, "records_used": data.records_used, "records_skipped": data.records_skipped,
         "train_tokens_available": int(data.train.numel()), "seq_len": cfg.seq_len, "head_type": cfg.head_type})
+    if cfg.exit_vocab:
+        set_exit_vocab(adapter, exit_vocabulary(data.train, cfg.exit_vocab, base.vocab_size,
+                                                loaded.tokenizer.all_special_ids))
     adapter.to(accelerator.device, torch.float32)  # heads train in float32 whatever the base's dtype
     state = load_heads(run_dir, adapter, base) if cfg.resume else None  # before DeepSpeed copies them
     inner = getattr(model, model.base_model_prefix)

@@ -147,3 +147,29 @@ def test_seed_makes_sampling_reproducible(small_vocab_model):
     a = model.generate([SAMPLE_PROMPT] * 3, seed=7, **kwargs).sequences
     assert a == model.generate([SAMPLE_PROMPT] * 3, seed=7, **kwargs).sequences
     assert a != model.generate([SAMPLE_PROMPT] * 3, seed=8, **kwargs).sequences
+
+
+@pytest.mark.parametrize("method", ["hispec", "self_spec"])
+def test_reduced_exit_vocabulary_keeps_the_distribution(small_vocab_model, method, tmp_path):
+    """Early exits restricted to 3 of the 8 tokens (so they can never draft the other 5): the
+    samples still follow the base model's distribution (same chi-square test as above)."""
+    from hispec_decode.adapter import ExitSpec, HiSpecAdapter
+
+    path, reference = small_vocab_model
+    model = HiSpecModel.from_pretrained(str(path))
+    adapter = HiSpecAdapter.create(model.arch, str(path), [ExitSpec(1, "draft"), ExitSpec(2, "intermediate")])
+    for head in adapter.heads.values():
+        head.set_vocab(torch.tensor([1, 4, 6]))
+    adapter.save_pretrained(tmp_path / "heads")
+    model = HiSpecModel.from_pretrained(str(path), heads=str(tmp_path / "heads"))
+    params, draws = SamplingParams(True), 3000
+    out = model.generate([SAMPLE_PROMPT] * draws, max_new_tokens=2, method=method, do_sample=True, seed=99,
+                         draft_layer=1, verify_layer=2, window=2, num_draft=2)
+    assert out.stats["acceptance_final"] < 0.95
+    counts: dict[tuple[int, int], int] = {}
+    for seq in out.sequences:
+        counts[tuple(seq[:2])] = counts.get(tuple(seq[:2]), 0) + 1
+    expected = _exact_two_token_distribution(reference, params)
+    assert sum(p for (a, _), p in expected.items() if a not in (1, 4, 6)) > 0.2  # the restriction matters
+    stat, df = _chi_square(counts, expected, draws)
+    assert stat < _chi_square_critical(df), (stat, df)

@@ -21,6 +21,7 @@ from hispec_train.data import build_dataset, read_json_records
 from hispec_train.distill import LossConfig, distillation_loss
 from hispec_train.export import export
 from hispec_train.trainer import base_forward, train
+from hispec_train.vocab import exit_vocabulary
 
 from conftest import save_char_tokenizer, save_tiny, write_conversations
 
@@ -97,6 +98,36 @@ def test_export_round_trip_and_lossless_decoding(trained_run, trainable_base, tm
     model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(out))
     assert model.policy("hispec").draft_layer == 1 and model.policy("hispec").verify_layer == 3
     prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 plus 4?"}],
+                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = torch.tensor([prompt])
+    ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+    assert model.generate([prompt], max_new_tokens=20).sequences[0] == ref[0, len(prompt):].tolist()[:20]
+
+
+def test_exit_vocabulary_training_export_and_decoding(trained_run, trainable_base, data_file, tmp_path):
+    """The K most frequent training tokens (specials forced in) restrict the early exits: set by
+    the trainer (``exit_vocab``, kept across a resume) or by ``hispec-export --exit-vocab``, which
+    measures its held-out agreement for the card; decoding with it equals transformers."""
+    vocab = exit_vocabulary(torch.tensor([5, 5, 5, 7, 7, 9, 2]), 2, 20, always=[11])
+    assert vocab.ids.tolist() == [5, 11] and vocab.coverage == pytest.approx(3 / 7)
+    for bad in (0, 20):
+        with pytest.raises(HiSpecError, match="exit_vocab"):
+            exit_vocabulary(torch.tensor([1, 2]), bad, 20)
+
+    run = train(_cfg(trainable_base, data_file, tmp_path / "run", exit_vocab=30, max_steps=4, save_every=2))
+    run = train(_cfg(trainable_base, data_file, tmp_path / "run", exit_vocab=30, max_steps=6, save_every=2, resume="true"))
+    trained = HiSpecAdapter.from_pretrained(run / "checkpoint")
+    assert all(h.vocab.numel() == 30 for h in trained.heads.values())
+    assert 0.5 < trained.config.training["exit_vocab_coverage"] <= 1.0
+
+    out = tmp_path / "heads"
+    adapter = export(trained_run, out, exit_vocab=40)
+    card = (out / "README.md").read_text()
+    assert "40-token exit vocabulary" in card and "most frequent tokens" in card
+    loaded = HiSpecAdapter.from_pretrained(out)
+    assert all(torch.equal(h.vocab, adapter.head(int(k)).vocab) and h.vocab.numel() == 40 for k, h in loaded.heads.items())
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(out))
+    prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "Spell 'xylophone' backwards."}],
                                                  add_generation_prompt=True, tokenize=True, return_dict=False)
     ids = torch.tensor([prompt])
     ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)

@@ -1,0 +1,81 @@
+"""Reduced early-exit vocabularies: lossless decoding, the adapter format, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hispec_decode import WEIGHTS_NAME, HiSpecAdapter
+from hispec_decode.adapter import CONFIG_NAME, ExitSpec
+from hispec_decode.engine import Engine
+from hispec_decode.errors import AdapterError
+
+from conftest import ARCHS, VOCAB
+
+PROMPTS = [[7], [3, 14, 15, 92, 65], [(i * 37 + 11) % VOCAB for i in range(17)]]
+NEW = 24
+HALF = torch.arange(0, VOCAB, 2)  # every other token: the exits can never draft the odd ones
+
+
+def _restricted(model, tiny, tmp_path, ids=HALF):
+    specs = [ExitSpec(1, "draft", "residual_linear"), ExitSpec(3, "intermediate", "residual_linear")]
+    adapter = HiSpecAdapter.create(model.arch, str(tiny.path), specs)
+    for head in adapter.heads.values():
+        head.set_vocab(ids)
+    adapter.save_pretrained(tmp_path)
+    return tiny.load(heads=str(tmp_path))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reduced_exit_vocabulary_is_lossless(arch, tiny_models, hispec_models, tmp_path):
+    tiny = tiny_models[arch]
+    model = _restricted(hispec_models[arch], tiny, tmp_path)
+    refs = [tiny.hf_generate(prompt, NEW) for prompt in PROMPTS]
+    assert any(t % 2 for ref in refs for t in ref), "the references must need tokens outside the exit vocabulary"
+    for prompt, ref in zip(PROMPTS, refs):
+        for method in ("hispec", "self_spec"):
+            out = model.generate([prompt], max_new_tokens=NEW, method=method, window=4, num_draft=3)
+            assert out.sequences[0] == ref, method
+    assert model.generate(PROMPTS, max_new_tokens=NEW, method="hispec").sequences == refs
+
+
+def test_restricted_exit_logits(tiny_models, hispec_models, tmp_path):
+    """Inside the vocabulary the logits are the full head's; outside they are -inf;
+    ``exit_vocab=False`` lifts the restriction."""
+    model = _restricted(hispec_models["llama"], tiny_models["llama"], tmp_path)
+    h = torch.randn(1, 3, model.arch.config.hidden_size)
+    restricted = model.engine.exit_logits(1, h)
+    full = Engine(model.arch, model.engine.heads, exit_vocab=False).exit_logits(1, h)
+    assert torch.allclose(restricted[:, HALF], full[:, HALF], atol=1e-5)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[HALF] = False
+    assert torch.isinf(restricted[:, outside]).all() and torch.isfinite(full).all()
+    assert torch.isfinite(model.engine.exit_logits(model.num_layers, h)).all(), "the final layer is never restricted"
+    for method in ("hispec", "self_spec"):
+        a = model.generate(PROMPTS, max_new_tokens=NEW, method=method)
+        b = model.generate(PROMPTS, max_new_tokens=NEW, method=method, exit_vocab=False)
+        assert a.sequences == b.sequences
+
+
+def test_adapter_round_trip_and_bad_vocabularies(tiny_models, hispec_models, tmp_path):
+    model = _restricted(hispec_models["llama"], tiny_models["llama"], tmp_path / "ok")
+    config = json.loads((tmp_path / "ok" / CONFIG_NAME).read_text())
+    assert [e["exit_vocab"] for e in config["exits"]] == [len(HALF)] * 2
+    loaded = HiSpecAdapter.from_pretrained(tmp_path / "ok")
+    assert all(torch.equal(h.vocab, HALF) for h in loaded.heads.values())
+    with pytest.raises(AdapterError, match="sorted"):
+        loaded.head(1).set_vocab(torch.tensor([5, 3]))
+
+    tensors = load_file(str(tmp_path / "ok" / WEIGHTS_NAME))
+    for name, bad in {"range": HALF + 1, "order": HALF.flip(0)}.items():
+        save_file(tensors | {"1.vocab": bad.contiguous()}, str(tmp_path / "ok" / WEIGHTS_NAME))
+        with pytest.raises(AdapterError, match="sorted, distinct and in 0"):
+            HiSpecAdapter.from_pretrained(tmp_path / "ok")
+    del tensors["3.vocab"]
+    save_file(tensors, str(tmp_path / "ok" / WEIGHTS_NAME))
+    with pytest.raises(AdapterError, match="expects tensors"):
+        HiSpecAdapter.from_pretrained(tmp_path / "ok")
+    assert model is not None
