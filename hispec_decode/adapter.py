@@ -104,6 +104,9 @@ class HiSpecAdapterConfig:
                 raise AdapterError(f"exit layer {e.layer} out of range 1..{self.num_hidden_layers - 1}")
             if e.role not in ROLES:
                 raise AdapterError(f"exit at layer {e.layer}: unknown role {e.role!r} (roles: {', '.join(ROLES)})")
+            if not isinstance(e.exit_vocab, int) or not 0 <= e.exit_vocab < self.vocab_size:
+                raise AdapterError(f"exit at layer {e.layer}: exit_vocab must be an integer in 0..{self.vocab_size - 1} "
+                                   f"(0: the full vocabulary); got {e.exit_vocab!r}")
         for role in ("draft", "intermediate"):
             if sum(e.role == role for e in self.exits) > 1:
                 raise AdapterError(f"more than one exit has role {role!r}")
@@ -184,6 +187,8 @@ class HiSpecAdapter(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         for e in self.config.exits:  # the config describes exactly what is stored
             head = self.head(e.layer)
+            if head.vocab is not None:
+                _check_vocab(head.vocab, self.config.vocab_size, f"exit vocabulary of layer {e.layer}")
             e.shapes = {k: list(v.shape) for k, v in head.state_dict().items()}
             e.exit_vocab = 0 if head.vocab is None else head.vocab.numel()
         tmp = out / (WEIGHTS_NAME + ".tmp")

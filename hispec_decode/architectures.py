@@ -62,7 +62,7 @@ class DecoderAdapter(ABC):
         self.lm_head: nn.Module = model.get_output_embeddings()
         self.lm_head_kernel = FusedLinear([self.lm_head], pack_weights)
         self.kept_norm: dict[str, torch.Tensor] | None = None  # see keep_exit
-        self._vocab_kernels: dict[tuple[int, int, torch.device] | str, FusedLinear] = {}  # see vocab_logits
+        self._vocab_kernels: dict = {}  # see vocab_logits: id(tensor) -> (tensor, kernel), content -> kernel
 
     @cached_property
     def layer_kernels(self) -> list[LayerKernels]:
@@ -167,12 +167,14 @@ class DecoderAdapter(ABC):
         """The LM head restricted to the rows ``vocab`` (token ids): their logits, ``-inf`` for
         every other token. Costs ``len(vocab) / vocab_size`` of the full LM head (a reduced
         early-exit vocabulary; the sub-matrix is cut and packed once per vocabulary)."""
-        key = (vocab.data_ptr(), vocab.numel(), vocab.device)
-        kernel = self._vocab_kernels.get(key)
-        if kernel is None:  # heads with equal vocabularies share one kernel
-            content = hashlib.sha256(vocab.cpu().numpy().tobytes()).hexdigest()
-            kernel = self._vocab_kernels[key] = self._vocab_kernels.get(content) or self._vocab_kernel(vocab)
+        cached = self._vocab_kernels.get(id(vocab))
+        if cached is not None and cached[0] is vocab:  # holding the tensor keeps its id from being reused
+            kernel = cached[1]
+        else:  # heads with equal vocabularies share one kernel
+            content = (hashlib.sha256(vocab.cpu().numpy().tobytes()).hexdigest(), self.device, self.dtype)
+            kernel = self._vocab_kernels.get(content) or self._vocab_kernel(vocab)
             self._vocab_kernels[content] = kernel
+            self._vocab_kernels[id(vocab)] = (vocab, kernel)
         small = kernel(h.to(self.dtype))  # [..., len(vocab)]
         out = small.new_full((*small.shape[:-1], self.lm_head.out_features), float("-inf"))
         out[..., vocab] = small
@@ -307,6 +309,7 @@ class OPTAdapter(DecoderAdapter):
         self.inner = model.model.decoder
         self.layers = self.inner.layers
         self.pre_ln = self.config.do_layer_norm_before
+        self.project_out: nn.Module | None = self.inner.project_out  # hidden -> word_embed_proj_dim (OPT-350m)
         self._num_heads = self.config.num_attention_heads
         self._head_dim = self.config.hidden_size // self._num_heads
 
@@ -364,9 +367,14 @@ class OPTAdapter(DecoderAdapter):
         if norm is not None:
             p = self.norm_params() if params is None else params
             h = F.layer_norm(h, norm.normalized_shape, p.get("weight"), p.get("bias"), norm.eps)
-        if self.inner.project_out is not None:
-            h = self.inner.project_out(h)
+        if self.project_out is not None:
+            h = self.project_out(h.to(self.project_out.weight.dtype))
         return h
+
+    def keep_exit(self, device: torch.device) -> None:
+        super().keep_exit(device)
+        if self.project_out is not None:
+            self.project_out = copy.deepcopy(self.project_out).to(device)
 
 
 ADAPTERS: dict[str, type[DecoderAdapter]] = {

@@ -142,13 +142,14 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 def format_table(results: dict[str, Any]) -> str:
     lines = []
-    head = f"{'dtype':9} {'method':15} {'tok/s':>8} {'x HF':>6} {'acc L_i':>8} {'acc L_f':>8} {'tok/full':>9} {'= HF':>7}"
+    width = max([15, *(len(m) for res in results["dtypes"].values() for m in res["methods"])])
+    head = f"{'dtype':9} {'method':{width}} {'tok/s':>8} {'x HF':>6} {'acc L_i':>8} {'acc L_f':>8} {'tok/full':>9} {'= HF':>7}"
     for dtype, res in results["dtypes"].items():
         lines += [head, "-" * len(head)]
         for m, r in res["methods"].items():
             def f(x, pct=False):
                 return "-" if x is None else (f"{100 * x:.1f}%" if pct else f"{x:.2f}")
-            lines.append(f"{dtype:9} {m:15} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
+            lines.append(f"{dtype:9} {m:{width}} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
                          f"{f(r['acceptance_intermediate'], True):>8} {f(r['acceptance_final'], True):>8} "
                          f"{f(r['tokens_per_full_call']):>9} {r['matches_transformers']:>7}")
         w = res["verification_wall"]
@@ -184,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="batched mode: decode at most this many batches per batch size (shorter runs)")
     add_policy_args(p)
     args = p.parse_args(argv)
+    for spec in (m for m in args.methods.split(",") if m and m != "transformers"):
+        try:  # before minutes of model loading
+            method, _ = method_variant(spec)
+        except ValueError as exc:
+            p.error(str(exc))
+        if method not in METHODS:
+            p.error(f"unknown method {method!r} in --methods; choose from {', '.join(METHODS)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.sweep is not None:
         return _sweep(args)

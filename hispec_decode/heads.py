@@ -39,9 +39,10 @@ class ExitHead(nn.Module):
         """Restrict this exit's predictions to the token ids ``ids`` (sorted, unique), or lift the
         restriction (None). Lossless: only early exits are restricted, the final layer never is."""
         if ids is not None:
-            ids = ids.to(torch.long).clone()  # each head owns its copy (safetensors refuses shared storage)
-            if ids.dim() != 1 or ids.numel() == 0 or (ids.numel() > 1 and bool((ids[1:] <= ids[:-1]).any())):
-                raise AdapterError("an exit vocabulary is a non-empty, sorted list of distinct token ids")
+            if ids.is_floating_point() or ids.dim() != 1 or ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()):
+                raise AdapterError("an exit vocabulary is a non-empty, sorted 1-d tensor of distinct integer token ids")
+            device = next((p.device for p in self.parameters()), ids.device)
+            ids = ids.to(device, torch.long).clone()  # each head owns its copy (safetensors refuses shared storage)
         self.vocab = ids
 
     def options(self) -> dict[str, Any]:

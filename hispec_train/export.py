@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from hispec_decode.adapter import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, HiSpecAdapter, HiSpecAdapterConfig
-from hispec_decode.architectures import DecoderAdapter, adapter_for
+from hispec_decode.architectures import adapter_for
 from hispec_decode.heads import head_class
-from hispec_decode.loading import load_base
+from hispec_decode.loading import LoadedBase, load_base
 from hispec_decode.errors import HiSpecError
 from hispec_decode.fingerprint import fingerprint_id
 
@@ -52,6 +52,7 @@ def model_card(adapter: HiSpecAdapter, report: dict[str, Any], steps: int) -> st
                  f"expected accepted length at the intermediate exit for a window of {report['window']}: "
                  f"{last.get('expected_accepted/intermediate', float('nan')):.2f}.\n")
     vocab_header, vocab_rule, vocab_note = "", "", ""
+    trained_vocab = f" ({report['trained_exit_vocab']}-token exit vocabulary)" if report.get("trained_exit_vocab") else ""
     if vocab:
         vocab_header, vocab_rule = f" trained head, {vocab['size']}-token exit vocabulary |", "---|"
     k, coverage = (vocab["size"], vocab["coverage"]) if vocab else (cfg.training.get("exit_vocab"), cfg.training.get("exit_vocab_coverage"))
@@ -76,7 +77,7 @@ Heads only ({size:,} parameters); the base model is not included.
 
 ## Held-out top-1 agreement with the final layer
 
-| layer | role | head | untrained exit (norm + LM head) | trained head |{vocab_header}
+| layer | role | head | untrained exit (norm + LM head) | trained head{trained_vocab} |{vocab_header}
 |---|---|---|---|---|{vocab_rule}
 {rows}
 {extra}{vocab_note}
@@ -96,18 +97,8 @@ def _run_config(run_dir: Path) -> TrainConfig:
     return load_config(None, {k: v for k, v in data.items() if k in TrainConfig.__dataclass_fields__})
 
 
-def _base_if_needed(checkpoint: Path, run_dir: Path) -> DecoderAdapter | None:
-    """Heads built on a base layer (``decoder_block``) are rebuilt on the run's base model."""
-    config = HiSpecAdapterConfig.load(checkpoint)
-    if not any(head_class(e.head_type).has_cache for e in config.exits):
-        return None
-    return adapter_for(load_base(_run_config(run_dir).base, "float32").model, pack_weights=False)
-
-
-def restrict_vocab(adapter: HiSpecAdapter, run_dir: Path, size: int) -> dict[str, Any]:
+def restrict_vocab(adapter: HiSpecAdapter, cfg: TrainConfig, loaded: LoadedBase, size: int) -> dict[str, Any]:
     """Give the heads the run's ``size``-token exit vocabulary; returns it with its held-out agreement."""
-    cfg = _run_config(run_dir)
-    loaded = load_base(cfg.base, "float32")
     base = adapter_for(loaded.model, pack_weights=False)
     data = build_dataset(cfg.dataset, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.eval_fraction, cfg.seed)
     vocab = exit_vocabulary(data.train, size, base.vocab_size, loaded.tokenizer.all_special_ids)
@@ -122,10 +113,16 @@ def export(run_dir: Path, out: Path, exit_vocab: int = 0) -> HiSpecAdapter:
     checkpoint = run_dir / CHECKPOINT_DIR
     if not (checkpoint / CONFIG_NAME).is_file():
         raise HiSpecError(f"{run_dir} holds no finished checkpoint ({checkpoint} is missing)")
-    adapter = HiSpecAdapter.from_pretrained(checkpoint, base=_base_if_needed(checkpoint, run_dir))
+    cfg = _run_config(run_dir)
+    # heads built on a base layer (decoder_block) are rebuilt on the run's base; --exit-vocab needs its tokenizer
+    block_heads = any(head_class(e.head_type).has_cache for e in HiSpecAdapterConfig.load(checkpoint).exits)
+    loaded = load_base(cfg.base, "float32") if block_heads or exit_vocab else None
+    base = adapter_for(loaded.model, pack_weights=False) if block_heads else None
+    adapter = HiSpecAdapter.from_pretrained(checkpoint, base=base)
     report = json.loads((run_dir / EVAL_NAME).read_text()) if (run_dir / EVAL_NAME).is_file() else {"untrained": {}, "history": [], "window": 0}
+    report["trained_exit_vocab"] = adapter.config.training.get("exit_vocab")  # what "trained head" was measured with
     if exit_vocab:
-        report["exit_vocab"] = restrict_vocab(adapter, run_dir, exit_vocab)
+        report["exit_vocab"] = restrict_vocab(adapter, cfg, loaded, exit_vocab)
     steps = json.loads((checkpoint / STATE_NAME).read_text())["step"]
     adapter.config.training["steps"] = steps
     tmp = out.with_name(out.name + ".tmp")

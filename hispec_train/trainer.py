@@ -31,7 +31,7 @@ from .data import build_dataset
 from .distill import Agreement, LossConfig, agreement, distillation_loss, expected_accepted
 from .report import write_eval_report
 from .vocab import ExitVocab, exit_vocabulary
-from .zero import check_whole, gathered, loading_whole, heads_config, shard_base, zero_stage
+from .zero import check_whole, heads_config, loading_whole, master_weights, shard_base, zero_stage
 
 logger = logging.getLogger(__name__)
 CONFIG_NAME = "train_config.json"
@@ -191,7 +191,7 @@ def train(cfg: TrainConfig) -> Path:
             if main:
                 write_eval_report(run_dir, cfg, untrained, history)
         if (step + 1) % cfg.save_every == 0 or done:
-            with gathered(adapter):  # collective under ZeRO-3; only the main process writes
+            with master_weights(adapter, stage):  # collective under DeepSpeed; only the main process writes
                 if main:
                     save_checkpoint(run_dir, adapter, None if stage else optimizer, {"step": step + 1, "history": history})
         accelerator.wait_for_everyone()

@@ -6,11 +6,11 @@ hooks; the same way TRL shards a frozen reference model). The base gets its own 
 DeepSpeed engine, separate from the heads' engine that accelerate prepares.
 
 What the heads read from the base outside the base's forward is kept whole on every process
-(``DecoderAdapter.keep_exit``): private copies of the final norm and the shared LM head
-(``vocab x hidden`` per process). The heads
-themselves are small: they are marked persistent (never partitioned), so their optimizer state
-and gradients are sharded by ZeRO while their weights stay readable by the head code and by
-the checkpoint writer.
+(``DecoderAdapter.keep_exit``): private copies of the final norm, the shared LM head
+(``vocab x hidden`` per process) and OPT's ``project_out``. The heads themselves are small:
+they are marked persistent (never partitioned), so their optimizer state and gradients are
+sharded by ZeRO while their weights stay readable by the head code. Checkpoints hold DeepSpeed's
+fp32 master weights (:func:`master_weights`), not the module's bf16 copies.
 
 The base is loaded whole on the host (heads are initialised from its norm and, for
 ``decoder_block``, its next layer), then partitioned parameter by parameter by
@@ -112,14 +112,23 @@ def shard_base(model: nn.Module, ds_config: dict[str, Any], hidden_size: int, ba
 
 
 @contextlib.contextmanager
-def gathered(module: nn.Module) -> Iterator[None]:
-    """Every parameter of ``module`` whole inside the block (collective: every process enters);
-    a no-op for parameters DeepSpeed does not manage."""
-    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
-    if not params:
+def master_weights(module: nn.Module, stage: int) -> Iterator[None]:
+    """Inside the block, ``module``'s parameters hold DeepSpeed's whole fp32 master weights (under
+    bf16/fp16 mixed precision the module itself runs on rounded copies; under ZeRO-3 they may be
+    partitioned); restored on exit. Collective: every process must enter. A no-op without DeepSpeed."""
+    if not stage:
         yield
         return
-    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
 
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+    params = list(module.parameters())
+    kept = [p.data for p in params]
+    try:
+        for p in params:
+            full = safe_get_full_fp32_param(p)
+            if full is not None:
+                p.data = full.to(p.device).reshape(getattr(p, "ds_shape", p.shape))
         yield
+    finally:
+        for p, data in zip(params, kept):
+            p.data = data

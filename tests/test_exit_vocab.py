@@ -78,4 +78,29 @@ def test_adapter_round_trip_and_bad_vocabularies(tiny_models, hispec_models, tmp
     save_file(tensors, str(tmp_path / "ok" / WEIGHTS_NAME))
     with pytest.raises(AdapterError, match="expects tensors"):
         HiSpecAdapter.from_pretrained(tmp_path / "ok")
-    assert model is not None
+
+
+def test_bad_vocabularies_are_refused_before_anything_is_written(tiny_models, hispec_models, tmp_path):
+    specs = [ExitSpec(1, "draft", "residual_linear"), ExitSpec(3, "intermediate", "residual_linear")]
+    adapter = HiSpecAdapter.create(hispec_models["llama"].arch, str(tiny_models["llama"].path), specs)
+    for bad in (torch.tensor([3.0, 4.0]), torch.tensor([[1, 2]]), torch.tensor([], dtype=torch.long)):
+        with pytest.raises(AdapterError, match="exit vocabulary"):
+            adapter.head(1).set_vocab(bad)
+    adapter.head(1).set_vocab(torch.tensor([1, VOCAB]))  # out of range: known only to the adapter
+    with pytest.raises(AdapterError, match="sorted, distinct and in 0"):
+        adapter.save_pretrained(tmp_path / "bad")
+    assert not (tmp_path / "bad" / WEIGHTS_NAME).exists()
+
+
+def test_decoder_block_heads_with_a_reduced_vocabulary(tiny_models, hispec_models, tmp_path):
+    """The cached-head path (its own K/V entries) with a restricted exit: still transformers' output."""
+    tiny, model = tiny_models["llama"], hispec_models["llama"]
+    specs = [ExitSpec(1, "draft", "decoder_block"), ExitSpec(3, "intermediate", "decoder_block")]
+    adapter = HiSpecAdapter.create(model.arch, str(tiny.path), specs)
+    for head in adapter.heads.values():
+        head.set_vocab(HALF)
+    adapter.save_pretrained(tmp_path)
+    restricted = tiny.load(heads=str(tmp_path))
+    refs = [tiny.hf_generate(p, NEW) for p in PROMPTS]
+    for method in ("hispec", "self_spec"):
+        assert restricted.generate(PROMPTS, max_new_tokens=NEW, method=method).sequences == refs, method

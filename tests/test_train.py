@@ -67,10 +67,16 @@ def test_training_lowers_heldout_loss_and_raises_agreement(trained_run, trainabl
     assert (trained_run / "agreement.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("head_type", ["residual_linear", "decoder_block"])
-def test_bfloat16_base_trains_float32_heads(head_type, trainable_base, data_file, tmp_path):
+@pytest.mark.parametrize("arch,head_type", [("llama", "residual_linear"), ("llama", "decoder_block"),
+                                            ("opt", "residual_linear")])  # OPT: project_out before the LM head
+def test_bfloat16_base_trains_float32_heads(arch, head_type, trainable_base, data_file, tmp_path):
     """``base_dtype: bfloat16`` halves the frozen base; the heads still train (and are saved) in float32."""
-    run = train(_cfg(trainable_base, data_file, tmp_path / "bf16", base_dtype="bfloat16", head_type=head_type,
+    base = trainable_base
+    if arch != "llama":
+        base = tmp_path / arch
+        save_tiny(arch, base)
+        save_char_tokenizer(base)
+    run = train(_cfg(base, data_file, tmp_path / "bf16", base_dtype="bfloat16", head_type=head_type,
                      max_steps=10, eval_every=10))
     trained = load_file(str(run / "checkpoint" / WEIGHTS_NAME))
     assert all(t.dtype == torch.float32 for t in trained.values())
@@ -106,7 +112,7 @@ def test_export_round_trip_and_lossless_decoding(trained_run, trainable_base, tm
 
 def test_exit_vocabulary_training_export_and_decoding(trained_run, trainable_base, data_file, tmp_path):
     """The K most frequent training tokens (specials forced in) restrict the early exits: set by
-    the trainer (``exit_vocab``, kept across a resume) or by ``hispec-export --exit-vocab``, which
+    the trainer (``exit_vocab``; a resumed run loads heads with it) or by ``hispec-export --exit-vocab``, which
     measures its held-out agreement for the card; decoding with it equals transformers."""
     vocab = exit_vocabulary(torch.tensor([5, 5, 5, 7, 7, 9, 2]), 2, 20, always=[11])
     assert vocab.ids.tolist() == [5, 11] and vocab.coverage == pytest.approx(3 / 7)
@@ -172,6 +178,26 @@ def test_two_processes_train_the_same_heads_as_one(trainable_base, data_file, tm
     a = HiSpecAdapter.from_pretrained(tmp_path / "one" / "checkpoint").state_dict_flat()
     b = HiSpecAdapter.from_pretrained(tmp_path / "two" / "checkpoint").state_dict_flat()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+def test_deepspeed_bf16_checkpoints_hold_fp32_master_weights(trainable_base, data_file, tmp_path):
+    """Under bf16 mixed precision DeepSpeed's module runs on bf16 copies of the heads; the
+    checkpoint must hold its fp32 master weights (ZeRO-3, one CPU process)."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "bf16"
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(ROOT / "recipes" / "accelerate" / "zero3.yaml"), "--num_processes", "1",
+                           "--mixed_precision", "bf16", "--main_process_port", "29536",
+                           str(ROOT / "scripts" / "train_heads.py"), "--base", str(trainable_base), "--dataset",
+                           str(data_file), "--heads-layers", "1,3", "--seq-len", "32", "--batch-size", "4",
+                           "--max-steps", "3", "--eval-every", "3", "--save-every", "3", "--lr", "3e-3",
+                           "--max-tokens", "none", "--report-to", "none", "--eval-batches", "1",
+                           "--base-dtype", "bfloat16", "--output-dir", str(out)],
+                          env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    proj = load_file(str(out / "checkpoint" / WEIGHTS_NAME))["3.proj.weight"]
+    assert proj.dtype == torch.float32 and torch.count_nonzero(proj) > 0
+    assert not torch.equal(proj, proj.bfloat16().float()), "saved weights are bf16 copies, not the fp32 masters"
 
 
 @pytest.mark.parametrize("stage", [2, 3])
