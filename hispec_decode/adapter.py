@@ -29,7 +29,7 @@ from torch import nn
 
 from .errors import AdapterError, FingerprintMismatchError
 from .fingerprint import compute_fingerprint, fingerprint_id, fingerprints_match
-from .heads import ExitHead, build_head, head_class
+from .heads import ExitHead, build_head, check_vocab, head_class
 
 if TYPE_CHECKING:
     from .architectures import DecoderAdapter
@@ -188,7 +188,7 @@ class HiSpecAdapter(nn.Module):
         for e in self.config.exits:  # the config describes exactly what is stored
             head = self.head(e.layer)
             if head.vocab is not None:
-                _check_vocab(head.vocab, self.config.vocab_size, f"exit vocabulary of layer {e.layer}")
+                check_vocab(head.vocab, self.config.vocab_size, f"exit vocabulary of layer {e.layer}")
             e.shapes = {k: list(v.shape) for k, v in head.state_dict().items()}
             e.exit_vocab = 0 if head.vocab is None else head.vocab.numel()
         tmp = out / (WEIGHTS_NAME + ".tmp")
@@ -228,7 +228,7 @@ class HiSpecAdapter(nn.Module):
                 if tuple(v.shape) != tuple(expected[k].shape):
                     raise AdapterError(f"{weights}: {prefix}{k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
             if e.exit_vocab:
-                _check_vocab(state["vocab"], config.vocab_size, f"{weights}: {prefix}vocab")
+                check_vocab(state["vocab"], config.vocab_size, f"{weights}: {prefix}vocab")
             head.load_state_dict(state)
             heads[e.layer] = head
         stray = [k for k in tensors if k.split(".", 1)[0] not in {str(e.layer) for e in config.exits}]
@@ -252,13 +252,6 @@ class HiSpecAdapter(nn.Module):
             info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision,
                                      commit_message=commit_message)
         return str(info)
-
-
-def _check_vocab(ids: torch.Tensor, vocab_size: int, where: str) -> None:
-    if ids.dtype != torch.long or ids.dim() != 1:
-        raise AdapterError(f"{where}: an exit vocabulary is a 1-d int64 tensor of token ids")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size or bool((ids[1:] <= ids[:-1]).any())):
-        raise AdapterError(f"{where}: token ids must be sorted, distinct and in 0..{vocab_size - 1}")
 
 
 def _resolve(source: str | os.PathLike, revision: str | None) -> Path:

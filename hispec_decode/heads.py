@@ -24,6 +24,18 @@ if TYPE_CHECKING:
     from .paged_cache import PagedKVCache
 
 
+def check_vocab(ids: torch.Tensor, vocab_size: int | None = None, where: str = "exit vocabulary") -> None:
+    """An exit vocabulary: a non-empty 1-d tensor of sorted, distinct integer token ids (within
+    ``vocab_size`` when it is known)."""
+    ok = not ids.is_floating_point() and ids.dim() == 1 and ids.numel() > 0 and not bool((ids[1:] <= ids[:-1]).any())
+    if ok and vocab_size is not None:
+        ok = int(ids[0]) >= 0 and int(ids[-1]) < vocab_size
+    if not ok:
+        span = f" in 0..{vocab_size - 1}" if vocab_size is not None else ""
+        raise AdapterError(f"{where}: an exit vocabulary is a non-empty 1-d tensor of sorted, distinct integer "
+                           f"token ids{span}")
+
+
 class ExitHead(nn.Module):
     head_type: ClassVar[str]
     has_cache: ClassVar[bool] = False  # True: the head attends to past positions (own K/V entries)
@@ -39,8 +51,7 @@ class ExitHead(nn.Module):
         """Restrict this exit's predictions to the token ids ``ids`` (sorted, unique), or lift the
         restriction (None). Lossless: only early exits are restricted, the final layer never is."""
         if ids is not None:
-            if ids.is_floating_point() or ids.dim() != 1 or ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()):
-                raise AdapterError("an exit vocabulary is a non-empty, sorted 1-d tensor of distinct integer token ids")
+            check_vocab(ids)
             device = next((p.device for p in self.parameters()), ids.device)
             ids = ids.to(device, torch.long).clone()  # each head owns its copy (safetensors refuses shared storage)
         self.vocab = ids

@@ -72,7 +72,7 @@ def test_adapter_round_trip_and_bad_vocabularies(tiny_models, hispec_models, tmp
     tensors = load_file(str(tmp_path / "ok" / WEIGHTS_NAME))
     for name, bad in {"range": HALF + 1, "order": HALF.flip(0)}.items():
         save_file(tensors | {"1.vocab": bad.contiguous()}, str(tmp_path / "ok" / WEIGHTS_NAME))
-        with pytest.raises(AdapterError, match="sorted, distinct and in 0"):
+        with pytest.raises(AdapterError, match="sorted, distinct integer token ids in 0"):
             HiSpecAdapter.from_pretrained(tmp_path / "ok")
     del tensors["3.vocab"]
     save_file(tensors, str(tmp_path / "ok" / WEIGHTS_NAME))
@@ -87,7 +87,7 @@ def test_bad_vocabularies_are_refused_before_anything_is_written(tiny_models, hi
         with pytest.raises(AdapterError, match="exit vocabulary"):
             adapter.head(1).set_vocab(bad)
     adapter.head(1).set_vocab(torch.tensor([1, VOCAB]))  # out of range: known only to the adapter
-    with pytest.raises(AdapterError, match="sorted, distinct and in 0"):
+    with pytest.raises(AdapterError, match="sorted, distinct integer token ids in 0"):
         adapter.save_pretrained(tmp_path / "bad")
     assert not (tmp_path / "bad" / WEIGHTS_NAME).exists()
 
