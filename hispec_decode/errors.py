@@ -17,3 +17,7 @@ class AdapterError(HiSpecError):
 
 class FingerprintMismatchError(AdapterError):
     """Heads were trained for a different base model."""
+
+
+class OutOfBlocksError(HiSpecError):
+    """The paged KV cache has fewer free blocks than an operation needs (nothing was changed)."""

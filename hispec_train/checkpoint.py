@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hispec_decode.adapter import HiSpecAdapter
-from hispec_decode.architectures import DecoderAdapter
+from hispec_decode.models import DecoderModel
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +54,13 @@ def _replace(run_dir: Path, tmp: Path) -> Path:
     return final
 
 
-def load_heads(run_dir: Path, adapter: HiSpecAdapter, base: DecoderAdapter | None = None) -> dict[str, Any] | None:
+def load_heads(run_dir: Path, adapter: HiSpecAdapter, decoder: DecoderModel | None = None) -> dict[str, Any] | None:
     """Restore the heads from ``run_dir``'s checkpoint; returns the trainer state, or None when
     there is no checkpoint. Call it before DeepSpeed copies the heads into its own buffers."""
     path = run_dir / CHECKPOINT_DIR
     if not (path / STATE_NAME).is_file():
         return None
-    saved = HiSpecAdapter.from_pretrained(path, base=base)
+    saved = HiSpecAdapter.from_pretrained(path, decoder=decoder)
     adapter.load_state_dict(saved.state_dict())
     return json.loads((path / STATE_NAME).read_text())
 

@@ -19,10 +19,11 @@ from .config import load_config, parse_overrides
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
         from .config import TrainConfig
 
-        print("keys:", ", ".join(TrainConfig.__dataclass_fields__))
+        print(__doc__)
+        print("keys (in a recipe as key: value, on the command line as --key value):")
+        print(TrainConfig.help())
         return 0
     recipe = None
     if "--recipe" in argv:

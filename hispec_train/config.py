@@ -12,44 +12,52 @@ from typing import Any
 import yaml
 
 from hispec_decode.errors import HiSpecError
-from hispec_decode.loading import parse_dtype
-from hispec_decode.heads import HEAD_TYPES
+from hispec_decode.models import parse_dtype
+from hispec_decode.layers.exit_heads import HEAD_TYPES
+
+
+def _key(default: Any, help: str, factory: Any = None) -> Any:
+    """A config key with its help text (shown by ``hispec-train --help``)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class TrainConfig:
     # model and heads
-    base: str | None = None  # Hub id, local dir, .gguf or PEFT adapter dir; None: embedded SmolLM2
-    heads_layers: list[int] = field(default_factory=lambda: [4, 8])  # increasing; first = draft, second = intermediate
-    head_type: str = "residual_linear"
-    head_options: dict[str, Any] = field(default_factory=dict)
+    base: str | None = _key(None, "Hub id, local dir, .gguf or PEFT LoRA dir of the frozen base (none: embedded SmolLM2)")
+    heads_layers: list[int] = _key(None, "exit layers, increasing: the first is the draft exit L_d, the second the "
+                                         "intermediate exit L_i, any others extra", factory=lambda: [4, 8])
+    head_type: str = _key("residual_linear", "norm, residual_linear, low_rank or decoder_block")
+    head_options: dict[str, Any] = _key(None, "options of the head type as JSON, e.g. {\"rank\": 32}", factory=dict)
     # data
-    dataset: str = "sharegpt"
-    max_tokens: int | None = 200_000  # tokens read from the data set (None: all)
-    eval_fraction: float = 0.05
-    seq_len: int = 256
+    dataset: str = _key("sharegpt", "sharegpt, a local .json/.jsonl file or a Hub data set id")
+    max_tokens: int | None = _key(200_000, "tokens read from the data set (none: all)")
+    eval_fraction: float = _key(0.05, "held-out fraction of the blocks, in (0, 1)")
+    seq_len: int = _key(256, "tokens per training block")
     # optimisation
-    batch_size: int = 4  # sequences per process per micro-step
-    grad_accum: int = 1
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
-    max_steps: int = 200
-    kd_temperature: float = 1.0
-    ce_weight: float = 0.0
-    chunk_size: int = 128
-    mixed_precision: str = "no"  # accelerate: no, bf16, fp16
-    exit_vocab: int = 0  # > 0: early exits predict over the K most frequent training tokens (hispec_train.vocab)
-    base_dtype: str = "float32"  # the frozen base's weights (bfloat16 halves their memory; heads stay float32)
+    batch_size: int = _key(4, "sequences per process per micro-step")
+    grad_accum: int = _key(1, "micro-steps per optimizer step")
+    lr: float = _key(1e-3, "peak learning rate (linear warm-up, cosine decay to 10%)")
+    weight_decay: float = _key(0.0, "AdamW weight decay")
+    warmup_steps: int = _key(20, "linear warm-up steps")
+    max_steps: int = _key(200, "optimizer steps")
+    kd_temperature: float = _key(1.0, "distillation temperature")
+    ce_weight: float = _key(0.0, "weight in [0, 1] of cross-entropy on the final layer's argmax (rest: KL)")
+    chunk_size: int = _key(128, "positions per loss chunk (bounds the [chunk, vocab] logits in memory)")
+    mixed_precision: str = _key("no", "accelerate mixed precision: no, bf16 or fp16")
+    exit_vocab_size: int = _key(0, "> 0: early exits predict over this many most frequent training tokens (0: all)")
+    base_dtype: str = _key("float32", "dtype of the frozen base's weights (bfloat16 halves them; heads stay float32)")
     # bookkeeping
-    eval_every: int = 50
-    eval_batches: int = 8
-    save_every: int = 50
-    window: int = 4  # N_i, for the expected accepted length in evaluations
-    seed: int = 0
-    output_dir: str = "runs/hispec-heads"
-    resume: bool = False
-    report_to: str = "tensorboard"
+    eval_every: int = _key(50, "steps between held-out evaluations")
+    eval_batches: int = _key(8, "held-out batches per evaluation")
+    save_every: int = _key(50, "steps between checkpoints")
+    window: int = _key(4, "N_i used for the expected accepted length in evaluations")
+    seed: int = _key(0, "seed of the data order and the held-out split")
+    output_dir: str = _key("runs/hispec-heads", "run directory (checkpoints, eval report, TensorBoard logs)")
+    resume: bool = _key(False, "continue from the run directory's checkpoint")
+    report_to: str = _key("tensorboard", "tensorboard or none")
 
     def validate(self) -> None:
         if self.head_type not in HEAD_TYPES or self.head_type == "base":
@@ -68,8 +76,8 @@ class TrainConfig:
         if not 0 <= self.ce_weight <= 1:
             raise HiSpecError(f"ce_weight must be in [0, 1]; got {self.ce_weight}")
         parse_dtype(self.base_dtype)
-        if self.exit_vocab < 0:
-            raise HiSpecError(f"exit_vocab must be >= 0 (0: the full vocabulary); got {self.exit_vocab}")
+        if self.exit_vocab_size < 0:
+            raise HiSpecError(f"exit_vocab_size must be >= 0 (0: the full vocabulary); got {self.exit_vocab_size}")
 
     def check_layers(self, num_layers: int) -> None:
         bad = [l for l in self.heads_layers if l >= num_layers]
@@ -81,6 +89,17 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def help(cls) -> str:
+        """Every key with its type, default and help text (for ``hispec-train --help``)."""
+        hints = typing.get_type_hints(cls)
+        lines = []
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            tp = getattr(hints[f.name], "__name__", None) or str(hints[f.name]).replace("typing.", "")
+            lines.append(f"  --{f.name.replace('_', '-'):18} {f.metadata['help']} [{tp}; default: {default}]")
+        return "\n".join(lines)
 
 
 def _coerce(name: str, tp: Any, value: Any) -> Any:

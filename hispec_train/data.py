@@ -25,7 +25,8 @@ import torch
 from tqdm.auto import tqdm
 
 from hispec_decode.errors import HiSpecError
-from hispec_decode.prompts import SHAREGPT_NAME, read_json_records, sharegpt_path
+from hispec_decode.data.prompts import SHAREGPT_NAME, sharegpt_path
+from hispec_decode.data.records import read_json_records
 
 logger = logging.getLogger(__name__)
 

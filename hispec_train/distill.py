@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from hispec_decode.architectures import DecoderAdapter
-from hispec_decode.heads import ExitHead
+from hispec_decode.models import DecoderModel
+from hispec_decode.layers.exit_heads import ExitHead
 
 
 @dataclass
@@ -30,16 +30,16 @@ def heads_dtype(heads: list[ExitHead], default: torch.dtype) -> torch.dtype:
     return next((p.dtype for head in heads for p in head.parameters()), default)
 
 
-def _chunk_losses(base: DecoderAdapter, heads: list[ExitHead], cfg: LossConfig, teacher_hidden: torch.Tensor,
+def _chunk_losses(decoder: DecoderModel, heads: list[ExitHead], cfg: LossConfig, teacher_hidden: torch.Tensor,
                   labels: torch.Tensor | None, *hidden: torch.Tensor) -> torch.Tensor:
     """Summed (over tokens) loss of every head on one chunk; shapes [B, c, H] -> [n_heads]."""
     with torch.no_grad():
-        teacher = base.lm_logits(teacher_hidden).float()  # [B, c, V]
+        teacher = decoder.lm_logits(teacher_hidden).float()  # [B, c, V]
         log_p_t = F.log_softmax(teacher / cfg.temperature, dim=-1)
         p_t = log_p_t.exp()
     losses = []
     for head, h in zip(heads, hidden):
-        student = head.project(h, base, restrict=False).float()  # [B, c, V]: trained on the full vocabulary
+        student = head.project(h, decoder, restrict=False).float()  # [B, c, V]: trained on the full vocabulary
         log_p_s = F.log_softmax(student / cfg.temperature, dim=-1)
         loss = (p_t * (log_p_t - log_p_s)).sum() * cfg.temperature**2  # KL(teacher || head)
         if cfg.ce_weight and labels is not None:
@@ -50,7 +50,7 @@ def _chunk_losses(base: DecoderAdapter, heads: list[ExitHead], cfg: LossConfig, 
     return torch.stack(losses)
 
 
-def distillation_loss(base: DecoderAdapter, heads: list[ExitHead], hidden: list[torch.Tensor],
+def distillation_loss(decoder: DecoderModel, heads: list[ExitHead], hidden: list[torch.Tensor],
                       teacher_hidden: torch.Tensor, input_ids: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     """Mean per-token loss of each head, ``[n_heads]``.
 
@@ -59,14 +59,14 @@ def distillation_loss(base: DecoderAdapter, heads: list[ExitHead], hidden: list[
     """
     B, T = input_ids.shape
     dtype = heads_dtype(heads, hidden[0].dtype)
-    hidden = [head.sequence_transform(h.to(dtype), base) for head, h in zip(heads, hidden)]  # attention-bearing heads see all of T
+    hidden = [head.sequence_transform(h.to(dtype), decoder) for head, h in zip(heads, hidden)]  # attention-bearing heads see all of T
     labels = torch.full_like(input_ids, -100)
     labels[:, :-1] = input_ids[:, 1:]  # position t predicts token t+1; the last has no label
     total = None
     for s in range(0, T, cfg.chunk_size):
         sl = slice(s, s + cfg.chunk_size)
         args = (teacher_hidden[:, sl], labels[:, sl], *(h[:, sl] for h in hidden))
-        part = checkpoint(_chunk_losses, base, heads, cfg, *args, use_reentrant=False)
+        part = checkpoint(_chunk_losses, decoder, heads, cfg, *args, use_reentrant=False)
         total = part if total is None else total + part
     return total / (B * T)
 
@@ -89,16 +89,16 @@ class Agreement:
 
 
 @torch.no_grad()
-def agreement(base: DecoderAdapter, heads: dict[int, ExitHead], hidden: dict[int, torch.Tensor],
+def agreement(decoder: DecoderModel, heads: dict[int, ExitHead], hidden: dict[int, torch.Tensor],
               teacher_hidden: torch.Tensor, draft: int, intermediate: int, chunk_size: int, into: Agreement) -> None:
     """Add the top-1 agreement of each head with the final layer (and draft with intermediate)."""
     T = teacher_hidden.shape[1]
     dtype = heads_dtype(list(heads.values()), teacher_hidden.dtype)
-    transformed = {layer: head.sequence_transform(hidden[layer].to(dtype), base) for layer, head in heads.items()}
+    transformed = {layer: head.sequence_transform(hidden[layer].to(dtype), decoder) for layer, head in heads.items()}
     for s in range(0, T, chunk_size):
         sl = slice(s, s + chunk_size)
-        final = base.lm_logits(teacher_hidden[:, sl]).argmax(-1)
-        tops = {layer: head.project(transformed[layer][:, sl], base).argmax(-1) for layer, head in heads.items()}
+        final = decoder.lm_logits(teacher_hidden[:, sl]).argmax(-1)
+        tops = {layer: head.project(transformed[layer][:, sl], decoder).argmax(-1) for layer, head in heads.items()}
         for layer, top in tops.items():
             into.add(layer, int((top == final).sum()))
         if draft in tops and intermediate in tops:

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from hispec_decode.adapter import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, HiSpecAdapter, HiSpecAdapterConfig
-from hispec_decode.architectures import adapter_for
-from hispec_decode.heads import head_class
-from hispec_decode.loading import LoadedBase, load_base
+from hispec_decode.models import decoder_for
+from hispec_decode.layers.exit_heads import head_class
+from hispec_decode.models import LoadedBase, load_base
 from hispec_decode.errors import HiSpecError
-from hispec_decode.fingerprint import fingerprint_id
+from hispec_decode.adapter import fingerprint_id
 
 from .checkpoint import CHECKPOINT_DIR, STATE_NAME
 from .config import TrainConfig, load_config
@@ -52,10 +52,10 @@ def model_card(adapter: HiSpecAdapter, report: dict[str, Any], steps: int) -> st
                  f"expected accepted length at the intermediate exit for a window of {report['window']}: "
                  f"{last.get('expected_accepted/intermediate', float('nan')):.2f}.\n")
     vocab_header, vocab_rule, vocab_note = "", "", ""
-    trained_vocab = f" ({report['trained_exit_vocab']}-token exit vocabulary)" if report.get("trained_exit_vocab") else ""
+    trained_vocab = f" ({report['trained_exit_vocab_size']}-token exit vocabulary)" if report.get("trained_exit_vocab_size") else ""
     if vocab:
         vocab_header, vocab_rule = f" trained head, {vocab['size']}-token exit vocabulary |", "---|"
-    k, coverage = (vocab["size"], vocab["coverage"]) if vocab else (cfg.training.get("exit_vocab"), cfg.training.get("exit_vocab_coverage"))
+    k, coverage = (vocab["size"], vocab["coverage"]) if vocab else (cfg.training.get("exit_vocab_size"), cfg.training.get("exit_vocab_coverage"))
     if k:
         vocab_note = (f"\nThe early exits predict over a reduced vocabulary: the {k} most frequent tokens of the "
                       f"training data ({100 * coverage:.1f}% of its tokens); the final layer always uses all "
@@ -99,30 +99,30 @@ def _run_config(run_dir: Path) -> TrainConfig:
 
 def restrict_vocab(adapter: HiSpecAdapter, cfg: TrainConfig, loaded: LoadedBase, size: int) -> dict[str, Any]:
     """Give the heads the run's ``size``-token exit vocabulary; returns it with its held-out agreement."""
-    base = adapter_for(loaded.model, pack_weights=False)
+    decoder = decoder_for(loaded.model, pack_weights=False)
     data = build_dataset(cfg.dataset, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.eval_fraction, cfg.seed)
-    vocab = exit_vocabulary(data.train, size, base.vocab_size, loaded.tokenizer.all_special_ids)
+    vocab = exit_vocabulary(data.train, size, decoder.vocab_size, loaded.tokenizer.all_special_ids)
     set_exit_vocab(adapter, vocab)
     heads = {e.layer: adapter.head(e.layer) for e in adapter.config.exits}
     with torch.no_grad():
-        rates = evaluate(cfg, base, getattr(loaded.model, loaded.model.base_model_prefix), heads, data.eval)
+        rates = evaluate(cfg, decoder, getattr(loaded.model, loaded.model.base_model_prefix), heads, data.eval)
     return {"size": size, "coverage": vocab.coverage, "agreement": rates}
 
 
-def export(run_dir: Path, out: Path, exit_vocab: int = 0) -> HiSpecAdapter:
+def export(run_dir: Path, out: Path, exit_vocab_size: int = 0) -> HiSpecAdapter:
     checkpoint = run_dir / CHECKPOINT_DIR
     if not (checkpoint / CONFIG_NAME).is_file():
         raise HiSpecError(f"{run_dir} holds no finished checkpoint ({checkpoint} is missing)")
     cfg = _run_config(run_dir)
-    # heads built on a base layer (decoder_block) are rebuilt on the run's base; --exit-vocab needs its tokenizer
-    block_heads = any(head_class(e.head_type).has_cache for e in HiSpecAdapterConfig.load(checkpoint).exits)
-    loaded = load_base(cfg.base, "float32") if block_heads or exit_vocab else None
-    base = adapter_for(loaded.model, pack_weights=False) if block_heads else None
-    adapter = HiSpecAdapter.from_pretrained(checkpoint, base=base)
+    # heads built on a base layer (decoder_block) are rebuilt on the run's base; --exit-vocab-size needs its tokenizer
+    block_heads = any(head_class(e.head_type).has_cache for e in HiSpecAdapterConfig.from_pretrained(checkpoint).exits)
+    loaded = load_base(cfg.base, "float32") if block_heads or exit_vocab_size else None
+    decoder = decoder_for(loaded.model, pack_weights=False) if block_heads else None
+    adapter = HiSpecAdapter.from_pretrained(checkpoint, decoder=decoder)
     report = json.loads((run_dir / EVAL_NAME).read_text()) if (run_dir / EVAL_NAME).is_file() else {"untrained": {}, "history": [], "window": 0}
-    report["trained_exit_vocab"] = adapter.config.training.get("exit_vocab")  # what "trained head" was measured with
-    if exit_vocab:
-        report["exit_vocab"] = restrict_vocab(adapter, cfg, loaded, exit_vocab)
+    report["trained_exit_vocab_size"] = adapter.config.training.get("exit_vocab_size")  # what "trained head" was measured with
+    if exit_vocab_size:
+        report["exit_vocab"] = restrict_vocab(adapter, cfg, loaded, exit_vocab_size)
     steps = json.loads((checkpoint / STATE_NAME).read_text())["step"]
     adapter.config.training["steps"] = steps
     tmp = out.with_name(out.name + ".tmp")
@@ -138,14 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hispec-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--exit-vocab", type=int, default=0, metavar="K",
+    p.add_argument("--exit-vocab-size", "--exit-vocab", type=int, default=0, metavar="K",
                    help="restrict the early exits to the K most frequent training tokens (measured for the card)")
     p.add_argument("--push-to-hub", metavar="REPO_ID", default=None)
     p.add_argument("--private", action="store_true")
     p.add_argument("--revision", default=None)
     args = p.parse_args(argv)
     try:
-        adapter = export(args.run_dir, args.out, args.exit_vocab)
+        adapter = export(args.run_dir, args.out, args.exit_vocab_size)
     except HiSpecError as exc:
         print(f"hispec-export: error: {exc}", file=sys.stderr)
         return 2

@@ -21,9 +21,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from hispec_decode.adapter import ExitSpec, HiSpecAdapter
-from hispec_decode.architectures import DecoderAdapter, adapter_for
-from hispec_decode.heads import BaseExitHead
-from hispec_decode.loading import load_base
+from hispec_decode.models import DecoderModel, decoder_for
+from hispec_decode.layers.exit_heads import BaseExitHead
+from hispec_decode.models import load_base
 
 from .checkpoint import load_heads, load_optimizer, save_checkpoint
 from .config import TrainConfig
@@ -40,22 +40,22 @@ CONFIG_NAME = "train_config.json"
 class HeadsLoss(nn.Module):
     """The heads as one module (what DDP wraps): hidden states in, per-head losses out."""
 
-    def __init__(self, adapter: HiSpecAdapter, base: DecoderAdapter, loss_cfg: LossConfig) -> None:
+    def __init__(self, adapter: HiSpecAdapter, decoder: DecoderModel, loss_cfg: LossConfig) -> None:
         super().__init__()
         self.adapter = adapter
-        self.base = [base]  # a list: the frozen base is not a submodule (not trained, not wrapped)
+        self.decoder = [decoder]  # a list: the frozen base is not a submodule (not trained, not wrapped)
         self.loss_cfg = loss_cfg
 
     def forward(self, hidden: list[torch.Tensor], teacher_hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         heads = [self.adapter.heads[k] for k in sorted(self.adapter.heads, key=int)]
-        return distillation_loss(self.base[0], heads, hidden, teacher_hidden, input_ids, self.loss_cfg)
+        return distillation_loss(self.decoder[0], heads, hidden, teacher_hidden, input_ids, self.loss_cfg)
 
 
 def set_exit_vocab(adapter: HiSpecAdapter, vocab: ExitVocab) -> None:
     """Restrict every head to ``vocab`` (decoding and evaluation; the loss uses the full vocabulary)."""
     for head in adapter.heads.values():
         head.set_vocab(vocab.ids)
-    adapter.config.training |= {"exit_vocab": int(vocab.ids.numel()), "exit_vocab_coverage": vocab.coverage}
+    adapter.config.training |= {"exit_vocab_size": int(vocab.ids.numel()), "exit_vocab_coverage": vocab.coverage}
 
 
 def base_forward(inner: nn.Module, input_ids: torch.Tensor, layers: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -87,15 +87,15 @@ def batch_indices(step: int, micro: int, cfg: TrainConfig, n_blocks: int, rank: 
     return out
 
 
-def evaluate(cfg: TrainConfig, base: DecoderAdapter, inner: nn.Module, heads: dict[int, nn.Module],
+def evaluate(cfg: TrainConfig, decoder: DecoderModel, inner: nn.Module, heads: dict[int, nn.Module],
              blocks: torch.Tensor) -> dict[str, float]:
     """Top-1 agreement of each head with the final layer on held-out blocks, and derived numbers."""
     layers = cfg.heads_layers
     counts = Agreement()
     for s in range(0, min(len(blocks), cfg.eval_batches * cfg.batch_size), cfg.batch_size):
-        ids = blocks[s : s + cfg.batch_size].to(base.device)
+        ids = blocks[s : s + cfg.batch_size].to(decoder.device)
         hidden, final = base_forward(inner, ids, layers)
-        agreement(base, heads, dict(zip(layers, hidden)), final, layers[0], layers[min(1, len(layers) - 1)],
+        agreement(decoder, heads, dict(zip(layers, hidden)), final, layers[0], layers[min(1, len(layers) - 1)],
                   cfg.chunk_size, counts)
     rates = counts.rates()
     if len(layers) >= 2:
@@ -116,8 +116,8 @@ def train(cfg: TrainConfig) -> Path:
         loaded = load_base(cfg.base, cfg.base_dtype)
     check_whole(loaded.model)
     model = loaded.model if stage == 3 else loaded.model.to(accelerator.device)  # ZeRO-3 partitions it on the host
-    base = adapter_for(model, pack_weights=False)
-    cfg.check_layers(base.num_layers)
+    decoder = decoder_for(model, pack_weights=False)
+    cfg.check_layers(decoder.num_layers)
     data = build_dataset(cfg.dataset, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.eval_fraction, cfg.seed)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -126,22 +126,22 @@ def train(cfg: TrainConfig) -> Path:
 
     # the heads, initialised to reproduce the base's own exits (or restored from a checkpoint) -
     specs = [ExitSpec(l, role, cfg.head_type, cfg.head_options) for l, role in zip(cfg.heads_layers, cfg.roles())]
-    adapter = HiSpecAdapter.create(base, loaded.name, specs, training={
+    adapter = HiSpecAdapter.create(decoder, loaded.name, specs, base_revision=loaded.revision, training={
         "dataset": cfg.dataset, "records_used": data.records_used, "records_skipped": data.records_skipped,
         "train_tokens_available": int(data.train.numel()), "seq_len": cfg.seq_len, "head_type": cfg.head_type})
-    if cfg.exit_vocab:
-        set_exit_vocab(adapter, exit_vocabulary(data.train, cfg.exit_vocab, base.vocab_size,
+    if cfg.exit_vocab_size:
+        set_exit_vocab(adapter, exit_vocabulary(data.train, cfg.exit_vocab_size, decoder.vocab_size,
                                                 loaded.tokenizer.all_special_ids))
     adapter.to(accelerator.device, torch.float32)  # heads train in float32 whatever the base's dtype
-    state = load_heads(run_dir, adapter, base) if cfg.resume else None  # before DeepSpeed copies them
+    state = load_heads(run_dir, adapter, decoder) if cfg.resume else None  # before DeepSpeed copies them
     inner = getattr(model, model.base_model_prefix)
     if stage == 3:
-        base.keep_exit(accelerator.device)
+        decoder.keep_exit(accelerator.device)
         inner = shard_base(inner, accelerator.state.deepspeed_plugin.deepspeed_config, adapter.config.hidden_size,
                            cfg.batch_size)
-    untrained = evaluate(cfg, base, inner, {l: BaseExitHead(adapter.config.hidden_size) for l in cfg.heads_layers},
+    untrained = evaluate(cfg, decoder, inner, {l: BaseExitHead(adapter.config.hidden_size) for l in cfg.heads_layers},
                          data.eval)
-    loss_module = HeadsLoss(adapter, base, LossConfig(cfg.kd_temperature, cfg.ce_weight, cfg.chunk_size))
+    loss_module = HeadsLoss(adapter, decoder, LossConfig(cfg.kd_temperature, cfg.ce_weight, cfg.chunk_size))
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if stage:  # no dataloader: tell DeepSpeed the micro-batch (and, for ZeRO-3, what stays whole)
         heads_config(accelerator.state.deepspeed_plugin.deepspeed_config, adapter, adapter.config.hidden_size,
@@ -184,7 +184,7 @@ def train(cfg: TrainConfig) -> Path:
             accelerator.log(logs | {"tokens_per_second": speed}, step=step + 1)
         done = step + 1 == cfg.max_steps
         if (step + 1) % cfg.eval_every == 0 or done:
-            rates = evaluate(cfg, base, inner, {l: adapter.head(l) for l in cfg.heads_layers}, data.eval)
+            rates = evaluate(cfg, decoder, inner, {l: adapter.head(l) for l in cfg.heads_layers}, data.eval)
             history.append({"step": step + 1, **logs, **rates})
             if cfg.report_to != "none":
                 accelerator.log(rates, step=step + 1)

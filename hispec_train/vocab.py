@@ -29,7 +29,7 @@ def exit_vocabulary(tokens: torch.Tensor, size: int, vocab_size: int, always: It
     """The ``size`` most frequent ids of ``tokens`` (any shape), always including ``always``
     (special tokens such as EOS, which must stay draftable)."""
     if not 0 < size < vocab_size:
-        raise HiSpecError(f"exit_vocab must be in 1..{vocab_size - 1} (the base's vocabulary has {vocab_size} tokens); "
+        raise HiSpecError(f"exit_vocab_size must be in 1..{vocab_size - 1} (the base's vocabulary has {vocab_size} tokens); "
                           f"got {size}")
     counts = torch.bincount(tokens.reshape(-1), minlength=vocab_size).double()
     forced = [i for i in set(always) if 0 <= i < vocab_size]

@@ -6,7 +6,7 @@ hooks; the same way TRL shards a frozen reference model). The base gets its own 
 DeepSpeed engine, separate from the heads' engine that accelerate prepares.
 
 What the heads read from the base outside the base's forward is kept whole on every process
-(``DecoderAdapter.keep_exit``): private copies of the final norm, the shared LM head
+(``DecoderModel.keep_exit``): private copies of the final norm, the shared LM head
 (``vocab x hidden`` per process) and OPT's ``project_out``. The heads themselves are small:
 they are marked persistent (never partitioned), so their optimizer state and gradients are
 sharded by ZeRO while their weights stay readable by the head code. Checkpoints hold DeepSpeed's

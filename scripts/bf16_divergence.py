@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from hispec_decode import HiSpecModel
-from hispec_decode.bench import bench_prompts
+from hispec_decode.tools.bench import bench_prompts
 
 
 def main() -> None:

@@ -4,4 +4,4 @@
 set -euo pipefail
 . "$(dirname "$0")/_setup.sh"
 cd "$ROOT"
-python -m hispec_decode.demo "$@"
+python -m hispec_decode.tools.demo "$@"

@@ -30,7 +30,7 @@ SPECS = [
 @pytest.fixture
 def saved_adapter(hispec_models, tiny_models, tmp_path):
     model = hispec_models["llama"]
-    adapter = HiSpecAdapter.create(model.arch, str(tiny_models["llama"].path), SPECS, training={"steps": 0})
+    adapter = HiSpecAdapter.create(model.decoder, str(tiny_models["llama"].path), SPECS, training={"steps": 0})
     torch.manual_seed(0)
     with torch.no_grad():
         for p in adapter.parameters():
@@ -62,7 +62,7 @@ def test_heads_only_no_base_weights(saved_adapter):
 def test_heads_decode_losslessly_with_roles_as_defaults(saved_adapter, tiny_models):
     _, path = saved_adapter
     model = tiny_models["llama"].load(heads=str(path))
-    assert model.policy("hispec").draft_layer == 1 and model.policy("hispec").verify_layer == 3
+    assert model.policy(method="hispec").draft_layer == 1 and model.policy(method="hispec").verify_layer == 3
     prompt = [1, 2, 3, 4]
     out = model.generate([prompt], max_new_tokens=16, method="hispec")
     assert out.sequences[0] == tiny_models["llama"].hf_generate(prompt, 16)
@@ -87,7 +87,7 @@ def test_heads_for_a_differently_shaped_base_are_refused(saved_adapter, tiny_mod
 def test_same_base_in_bfloat16_matches(saved_adapter, tiny_models):
     _, path = saved_adapter
     model = tiny_models["llama"].load(heads=str(path), dtype="bfloat16")
-    assert model.engine.heads[1].proj.weight.dtype == torch.bfloat16
+    assert model.runner.heads[1].proj.weight.dtype == torch.bfloat16
 
 
 def test_missing_and_corrupted_weights(saved_adapter):

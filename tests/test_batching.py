@@ -9,7 +9,7 @@ import torch
 
 from hispec_decode import HiSpecAdapter
 from hispec_decode.adapter import ExitSpec
-from hispec_decode.block_manager import OutOfBlocksError
+from hispec_decode import OutOfBlocksError
 
 from conftest import ARCHS, VOCAB, save_tiny
 from test_lossless import _identity_above
@@ -73,7 +73,7 @@ def test_rows_that_accept_everything_beside_rows_that_reject_everything(arch, tm
     repeats the last prompt token. Rows ending in 0 accept every draft, the others none."""
     tiny = save_tiny(arch, tmp_path / "base", mutate=_repeat_last_token)
     model = tiny.load()
-    adapter = HiSpecAdapter.create(model.arch, str(tiny.path), [ExitSpec(2, "draft", "residual_linear")])
+    adapter = HiSpecAdapter.create(model.decoder, str(tiny.path), [ExitSpec(2, "draft", "residual_linear")])
     with torch.no_grad():
         adapter.head(2).proj.weight.copy_(-torch.eye(adapter.head(2).proj.weight.shape[0]))
     adapter.save_pretrained(tmp_path / "heads")
@@ -81,7 +81,7 @@ def test_rows_that_accept_everything_beside_rows_that_reject_everything(arch, tm
     rows = [[5, 0], [3, 9], [1, 2, 3, 0], [7], [0], [4, 4, 8]]
     for method in ("self_spec", "hispec"):
         out = model.generate(rows, max_new_tokens=NEW, method=method, **POLICY)
-        for row, seq, run in zip(rows, out.sequences, out.runs):
+        for row, seq, run in zip(rows, out.sequences, out.seqs):
             assert seq == [row[-1]] * NEW == tiny.hf_generate(row, NEW)
             c = run.counters
             rate = c.accepted_intermediate / c.drafted if method == "hispec" else c.accepted_final / c.tentative
@@ -93,7 +93,7 @@ def test_small_cache_preempts_and_recomputes_without_changing_a_token(method, hi
     model = hispec_models["qwen3"]
     for verify in ("eager", "gather"):
         out = model.generate(PROMPTS[:8], max_new_tokens=NEW, method=method, num_blocks=14, block_size=4,
-                             verify=verify, **_kwargs(method))
+                             schedule=verify, **_kwargs(method))
         assert out.sequences == alone["qwen3", method][:8]
         assert out.stats["preemptions"] > 0
 
@@ -111,28 +111,28 @@ def test_cache_that_cannot_hold_one_sequence_fails_clearly(hispec_models):
     model = hispec_models["llama"]
     with pytest.raises(OutOfBlocksError, match="cannot fit a KV cache of 3 blocks"):
         model.generate([PROMPTS[5]], max_new_tokens=40, num_blocks=3, block_size=8)
-    server = model.serve("hispec", num_blocks=4, block_size=8)
-    model.add_request(server, PROMPTS[0], max_new_tokens=8)
+    server = model.serve(method="hispec", num_blocks=4, block_size=8)
+    server.add_request(PROMPTS[0], max_new_tokens=8)
     with pytest.raises(OutOfBlocksError, match="raise num_blocks"):  # refused up front; the queue is untouched
-        model.add_request(server, PROMPTS[5], max_new_tokens=20)
-    assert len(server.queue) == 1
+        server.add_request(PROMPTS[5], max_new_tokens=20)
+    assert len(server.scheduler.waiting) == 1
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_verify_policies_give_the_same_tokens(method, hispec_models, alone):
-    out = hispec_models["opt"].generate(PROMPTS, max_new_tokens=NEW, method=method, verify="gather", **_kwargs(method))
+    out = hispec_models["opt"].generate(PROMPTS, max_new_tokens=NEW, method=method, schedule="gather", **_kwargs(method))
     assert out.sequences == alone["opt", method]
 
 
 def test_continuous_batching_streams_and_frees_blocks(hispec_models, alone):
     model = hispec_models["llama"]
-    server = model.serve("hispec", num_blocks=64, block_size=4, **POLICY)
-    ids = [model.add_request(server, p, max_new_tokens=NEW) for p in PROMPTS[:3]]
+    server = model.serve(method="hispec", num_blocks=64, block_size=4, **POLICY)
+    ids = [server.add_request(p, max_new_tokens=NEW) for p in PROMPTS[:3]]
     streamed: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     finished = []
     for step in range(200):
         if step == 5:  # requests join a running batch
-            ids += [model.add_request(server, p, max_new_tokens=NEW) for p in PROMPTS[3:8]]
+            ids += [server.add_request(p, max_new_tokens=NEW) for p in PROMPTS[3:8]]
         for o in server.step():
             assert not finished.count(o.request_id), "no tokens after a request finished"
             streamed[o.request_id] += o.new_tokens
@@ -157,11 +157,11 @@ def test_sampled_batch_rows_follow_their_own_seeds(hispec_models):
 
 def test_gather_policy_does_not_starve_verification_under_steady_arrivals(hispec_models, alone):
     model = hispec_models["llama"]
-    server = model.serve("hispec", num_blocks=256, block_size=4, verify="gather", **POLICY)
-    first = model.add_request(server, PROMPTS[0], max_new_tokens=NEW)
+    server = model.serve(method="hispec", num_blocks=256, block_size=4, schedule="gather", **POLICY)
+    first = server.add_request(PROMPTS[0], max_new_tokens=NEW)
     committed: list[int] = []
     for step in range(40):
-        model.add_request(server, PROMPTS[1 + step % 15], max_new_tokens=4)  # a new drafter every step
+        server.add_request(PROMPTS[1 + step % 15], max_new_tokens=4)  # a new drafter every step
         for o in server.step():
             if o.request_id == first:
                 committed += o.new_tokens

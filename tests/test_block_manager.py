@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hispec_decode.block_manager import BlockManager, OutOfBlocksError
+from hispec_decode import OutOfBlocksError
+from hispec_decode.engine.block_manager import BlockManager
 
 BANDS = 3
 ops = st.lists(

@@ -5,9 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hispec_decode.engine import Advance
+from hispec_decode.engine.model_runner import BandRequest, ModelRunner
+from hispec_decode.engine.sequence import Sequence
 
 from conftest import ARCHS
+
+
+def _allocated(seq: Sequence) -> Sequence:
+    seq.allocate()
+    return seq
 
 
 def _band_of(layer: int, exits: tuple[int, ...]) -> int:
@@ -18,21 +24,21 @@ def _band_of(layer: int, exits: tuple[int, ...]) -> int:
 @pytest.mark.parametrize("method", ["autoregressive", "self_spec", "hispec"])
 def test_paged_cache_equals_fresh_forward(arch, method, hispec_models):
     model = hispec_models[arch]
-    engine = model.engine
-    server = model.serve(method, num_blocks=64, block_size=4, draft_layer=2, verify_layer=4, window=3, num_draft=3)
-    model.add_request(server, [5, 9, 2, 6, 5, 3], max_new_tokens=60)
-    model.add_request(server, [1, 2], max_new_tokens=60)  # a neighbour, so blocks interleave
+    runner = model.runner
+    server = model.serve(method=method, num_blocks=64, block_size=4, draft_layer=2, verify_layer=4, window=3, num_draft=3)
+    server.add_request([5, 9, 2, 6, 5, 3], max_new_tokens=60)
+    server.add_request([1, 2], max_new_tokens=60)  # a neighbour, so blocks interleave
     for steps in (3, 8, 13):
         while server.steps < steps:
             server.step()
         server.cache.manager.check()
-        st = server.running[0].run.state
+        st = server.scheduler.running[0]
         lengths = server.cache.manager.lengths(st.seq_id)
         assert lengths == sorted(lengths, reverse=True), "a lower band never holds fewer tokens than an upper one"
         assert lengths[0] <= len(st.tokens)
 
-        fresh = engine.new_cache(64, 4)
-        engine.advance([Advance(engine.new_state(fresh, 0, st.tokens, (model.num_layers,)), 0, 1)])
+        fresh = runner.new_cache(64, 4)
+        runner.advance([BandRequest(_allocated(Sequence(0, st.tokens, fresh, (model.num_layers,))), 0, 1)])
         for layer in range(model.num_layers):
             n = lengths[_band_of(layer, st.exits)]
             k, v = server.cache.read(layer, server.cache.slots(st.seq_id, 0, n))
@@ -43,19 +49,19 @@ def test_paged_cache_equals_fresh_forward(arch, method, hispec_models):
 def test_pending_hidden_states_match_their_layers(hispec_models):
     """Hidden states waiting at an exit are exactly those a fresh pass produces at that layer."""
     model = hispec_models["llama"]
-    engine = model.engine
-    cache = engine.new_cache(16, 4)
-    st = engine.new_state(cache, 0, [4, 8, 15, 16, 23, 42], (2, 4, model.num_layers))
-    engine.advance([Advance(st, 0, 1)])
+    runner = model.runner
+    cache = runner.new_cache(16, 4)
+    st = _allocated(Sequence(0, [4, 8, 15, 16, 23, 42], cache, (2, 4, model.num_layers)))
+    runner.advance([BandRequest(st, 0, 1)])
     st.tokens += [7, 7, 7]  # three drafts, then an intermediate check, then a rejection of two
-    engine.advance([Advance(st, 1, 4)])
-    engine.truncate(st, 7)
+    runner.advance([BandRequest(st, 1, 4)])
+    st.truncate(7)
     assert st.processed(0) == 7 and st.processed(1) == 7 and st.processed(2) == 0
     assert st.pending[0] is None and st.pending[1].shape[1] == 7
     assert len(cache.manager.table(0)) == 2  # 7 tokens in blocks of 4: the third block (tokens 8, 9) was freed
 
-    fresh = engine.new_state(cache, 1, st.tokens, (4, model.num_layers))
-    engine.advance([Advance(fresh, 0, 1)])
+    fresh = _allocated(Sequence(1, st.tokens, cache, (4, model.num_layers)))
+    runner.advance([BandRequest(fresh, 0, 1)])
     assert torch.allclose(st.pending[1], fresh.pending[0], atol=1e-5)
 
 
@@ -67,21 +73,21 @@ def test_decoder_block_head_cache_equals_its_sequence_transform(tiny_models):
 
     tiny = tiny_models["qwen3"]
     model = tiny.load()
-    adapter = HiSpecAdapter.create(model.arch, str(tiny.path), [ExitSpec(2, "draft", "decoder_block")])
+    adapter = HiSpecAdapter.create(model.decoder, str(tiny.path), [ExitSpec(2, "draft", "decoder_block")])
     head = adapter.head(2)
     with torch.no_grad():
         for p in head.block.parameters():
             p.add_(0.05 * torch.randn_like(p))  # no longer a copy of layer 2
-    engine = type(model.engine)(model.arch, {2: head.eval()})
+    runner = ModelRunner(model.decoder, {2: head.eval()})
     tokens = [4, 8, 15, 16, 23, 42, 7, 1, 9]
-    cache = engine.new_cache(8, 4)
-    st = engine.new_state(cache, 0, tokens[:5], (2, model.num_layers))
-    got = [engine.advance([Advance(st, 0, 5)])[0]]
+    cache = runner.new_cache(8, 4)
+    st = _allocated(Sequence(0, tokens[:5], cache, (2, model.num_layers)))
+    got = [runner.advance([BandRequest(st, 0, 5)])[0]]
     for t in tokens[5:]:
         st.tokens.append(t)
-        got.append(engine.advance([Advance(st, 0, 1)])[0])
+        got.append(runner.advance([BandRequest(st, 0, 1)])[0])
     inner = getattr(tiny.reference, tiny.reference.base_model_prefix)
     with torch.no_grad():
         h2 = inner(input_ids=torch.tensor([tokens]), output_hidden_states=True).hidden_states[2]
-        want = head(h2, model.arch)[0]
+        want = head(h2, model.decoder)[0]
     assert torch.allclose(torch.cat(got), want, atol=1e-4)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from hispec_decode import bench, cli
+from hispec_decode.tools import bench
+from hispec_decode.tools import generate as cli
 
 
 def test_generate_with_prompt_ids(tiny_models, capsys):

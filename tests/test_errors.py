@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from hispec_decode import HiSpecError, HiSpecModel, UnsupportedArchitectureError
-from hispec_decode.architectures import SUPPORTED_MODEL_TYPES
+from hispec_decode.models import SUPPORTED_MODEL_TYPES
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from hispec_decode import WEIGHTS_NAME, HiSpecAdapter
 from hispec_decode.adapter import CONFIG_NAME, ExitSpec
-from hispec_decode.engine import Engine
+from hispec_decode.engine.model_runner import ModelRunner
 from hispec_decode.errors import AdapterError
 
 from conftest import ARCHS, VOCAB
@@ -22,7 +22,7 @@ HALF = torch.arange(0, VOCAB, 2)  # every other token: the exits can never draft
 
 def _restricted(model, tiny, tmp_path, ids=HALF):
     specs = [ExitSpec(1, "draft", "residual_linear"), ExitSpec(3, "intermediate", "residual_linear")]
-    adapter = HiSpecAdapter.create(model.arch, str(tiny.path), specs)
+    adapter = HiSpecAdapter.create(model.decoder, str(tiny.path), specs)
     for head in adapter.heads.values():
         head.set_vocab(ids)
     adapter.save_pretrained(tmp_path)
@@ -44,26 +44,26 @@ def test_reduced_exit_vocabulary_is_lossless(arch, tiny_models, hispec_models, t
 
 def test_restricted_exit_logits(tiny_models, hispec_models, tmp_path):
     """Inside the vocabulary the logits are the full head's; outside they are -inf;
-    ``exit_vocab=False`` lifts the restriction."""
+    ``use_exit_vocab=False`` lifts the restriction."""
     model = _restricted(hispec_models["llama"], tiny_models["llama"], tmp_path)
-    h = torch.randn(1, 3, model.arch.config.hidden_size)
-    restricted = model.engine.exit_logits(1, h)
-    full = Engine(model.arch, model.engine.heads, exit_vocab=False).exit_logits(1, h)
+    h = torch.randn(1, 3, model.decoder.config.hidden_size)
+    restricted = model.runner.exit_logits(1, h)
+    full = ModelRunner(model.decoder, model.runner.heads, use_exit_vocab=False).exit_logits(1, h)
     assert torch.allclose(restricted[:, HALF], full[:, HALF], atol=1e-5)
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[HALF] = False
     assert torch.isinf(restricted[:, outside]).all() and torch.isfinite(full).all()
-    assert torch.isfinite(model.engine.exit_logits(model.num_layers, h)).all(), "the final layer is never restricted"
+    assert torch.isfinite(model.runner.exit_logits(model.num_layers, h)).all(), "the final layer is never restricted"
     for method in ("hispec", "self_spec"):
         a = model.generate(PROMPTS, max_new_tokens=NEW, method=method)
-        b = model.generate(PROMPTS, max_new_tokens=NEW, method=method, exit_vocab=False)
+        b = model.generate(PROMPTS, max_new_tokens=NEW, method=method, use_exit_vocab=False)
         assert a.sequences == b.sequences
 
 
 def test_adapter_round_trip_and_bad_vocabularies(tiny_models, hispec_models, tmp_path):
     model = _restricted(hispec_models["llama"], tiny_models["llama"], tmp_path / "ok")
     config = json.loads((tmp_path / "ok" / CONFIG_NAME).read_text())
-    assert [e["exit_vocab"] for e in config["exits"]] == [len(HALF)] * 2
+    assert [e["exit_vocab_size"] for e in config["exits"]] == [len(HALF)] * 2
     loaded = HiSpecAdapter.from_pretrained(tmp_path / "ok")
     assert all(torch.equal(h.vocab, HALF) for h in loaded.heads.values())
     with pytest.raises(AdapterError, match="sorted"):
@@ -82,7 +82,7 @@ def test_adapter_round_trip_and_bad_vocabularies(tiny_models, hispec_models, tmp
 
 def test_bad_vocabularies_are_refused_before_anything_is_written(tiny_models, hispec_models, tmp_path):
     specs = [ExitSpec(1, "draft", "residual_linear"), ExitSpec(3, "intermediate", "residual_linear")]
-    adapter = HiSpecAdapter.create(hispec_models["llama"].arch, str(tiny_models["llama"].path), specs)
+    adapter = HiSpecAdapter.create(hispec_models["llama"].decoder, str(tiny_models["llama"].path), specs)
     for bad in (torch.tensor([3.0, 4.0]), torch.tensor([[1, 2]]), torch.tensor([], dtype=torch.long)):
         with pytest.raises(AdapterError, match="exit vocabulary"):
             adapter.head(1).set_vocab(bad)
@@ -96,7 +96,7 @@ def test_decoder_block_heads_with_a_reduced_vocabulary(tiny_models, hispec_model
     """The cached-head path (its own K/V entries) with a restricted exit: still transformers' output."""
     tiny, model = tiny_models["llama"], hispec_models["llama"]
     specs = [ExitSpec(1, "draft", "decoder_block"), ExitSpec(3, "intermediate", "decoder_block")]
-    adapter = HiSpecAdapter.create(model.arch, str(tiny.path), specs)
+    adapter = HiSpecAdapter.create(model.decoder, str(tiny.path), specs)
     for head in adapter.heads.values():
         head.set_vocab(HALF)
     adapter.save_pretrained(tmp_path)

@@ -114,7 +114,7 @@ def test_exits_that_reject_almost_everything(arch, hispec_models, tiny_models, r
     model = hispec_models[arch]
     for roles in (("draft",), ("draft", "intermediate")):
         specs = [ExitSpec(1, "draft", "residual_linear"), ExitSpec(3, "intermediate", "residual_linear")]
-        adapter = HiSpecAdapter.create(model.arch, str(tiny_models[arch].path), specs)
+        adapter = HiSpecAdapter.create(model.decoder, str(tiny_models[arch].path), specs)
         for spec in specs:
             if spec.role in roles:
                 _zero_head(adapter.head(spec.layer))

@@ -7,7 +7,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from hispec_decode import HiSpecModel
-from hispec_decode.fingerprint import compute_fingerprint, fingerprints_match
+from hispec_decode.adapter import compute_fingerprint, fingerprints_match
 
 
 def test_lora_adapter_directory_is_merged(tiny_models, tmp_path):

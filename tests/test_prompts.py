@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hispec_decode import HiSpecError
-from hispec_decode.prompts import CHAT_PROMPTS, prompt_set
+from hispec_decode.data.prompts import CHAT_PROMPTS, prompt_set
 
 
 def test_prompt_sets():

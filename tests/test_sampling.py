@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hispec_decode import HiSpecModel
-from hispec_decode.sampling import SamplingParams, TokenSampler, acceptance_probability, residual, warp
+from hispec_decode.decoding.sampling import SamplingParams, TokenSampler, acceptance_probability, residual, warp
 
 
 def _stage(proposal: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ def test_reduced_exit_vocabulary_keeps_the_distribution(small_vocab_model, metho
 
     path, reference = small_vocab_model
     model = HiSpecModel.from_pretrained(str(path))
-    adapter = HiSpecAdapter.create(model.arch, str(path), [ExitSpec(1, "draft"), ExitSpec(2, "intermediate")])
+    adapter = HiSpecAdapter.create(model.decoder, str(path), [ExitSpec(1, "draft"), ExitSpec(2, "intermediate")])
     for head in adapter.heads.values():
         head.set_vocab(torch.tensor([1, 4, 6]))
     adapter.save_pretrained(tmp_path / "heads")

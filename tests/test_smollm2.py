@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hispec_decode import HiSpecModel
-from hispec_decode.loading import default_base_dir
-from hispec_decode.prompts import CHAT_PROMPTS, encode_prompt
+from hispec_decode.models.loading import default_base_dir
+from hispec_decode.data.prompts import CHAT_PROMPTS, encode_prompt
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from hispec_decode import CONFIG_NAME, WEIGHTS_NAME, FingerprintMismatchError, HiSpecAdapter, HiSpecError, HiSpecModel
-from hispec_decode.architectures import adapter_for
-from hispec_decode.loading import load_base
+from hispec_decode.models import decoder_for
+from hispec_decode.models.loading import load_base
 from hispec_train import trainer as trainer_mod
 from hispec_train.config import load_config
 from hispec_train.data import build_dataset, read_json_records
@@ -47,7 +47,7 @@ def trained_run(trainable_base, data_file, tmp_path_factory) -> Path:
 
 def _heldout_loss(base_path: Path, data_file: Path, adapter: HiSpecAdapter) -> float:
     loaded = load_base(str(base_path))
-    base = adapter_for(loaded.model, pack_weights=False)
+    base = decoder_for(loaded.model, pack_weights=False)
     cfg = _cfg(base_path, data_file, Path("unused"))
     data = build_dataset(str(data_file), loaded.tokenizer, 32, None, cfg.eval_fraction, cfg.seed)
     hidden, final = base_forward(loaded.model.model, data.eval, [1, 3])
@@ -57,7 +57,7 @@ def _heldout_loss(base_path: Path, data_file: Path, adapter: HiSpecAdapter) -> f
 
 def test_training_lowers_heldout_loss_and_raises_agreement(trained_run, trainable_base, data_file):
     trained = HiSpecAdapter.from_pretrained(trained_run / "checkpoint")
-    fresh = HiSpecAdapter.create(adapter_for(load_base(str(trainable_base)).model, pack_weights=False), "x",
+    fresh = HiSpecAdapter.create(decoder_for(load_base(str(trainable_base)).model, pack_weights=False), "x",
                                  [e for e in _specs(trained)])
     assert _heldout_loss(trainable_base, data_file, trained) < 0.9 * _heldout_loss(trainable_base, data_file, fresh)
     report = json.loads((trained_run / "eval.json").read_text())
@@ -102,7 +102,7 @@ def test_export_round_trip_and_lossless_decoding(trained_run, trainable_base, tm
     card = (out / "README.md").read_text()
     assert "trained head" in card and "fingerprint" in card and loaded.config.training["steps"] == 30
     model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(out))
-    assert model.policy("hispec").draft_layer == 1 and model.policy("hispec").verify_layer == 3
+    assert model.policy(method="hispec").draft_layer == 1 and model.policy(method="hispec").verify_layer == 3
     prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 plus 4?"}],
                                                  add_generation_prompt=True, tokenize=True, return_dict=False)
     ids = torch.tensor([prompt])
@@ -112,22 +112,22 @@ def test_export_round_trip_and_lossless_decoding(trained_run, trainable_base, tm
 
 def test_exit_vocabulary_training_export_and_decoding(trained_run, trainable_base, data_file, tmp_path):
     """The K most frequent training tokens (specials forced in) restrict the early exits: set by
-    the trainer (``exit_vocab``; a resumed run loads heads with it) or by ``hispec-export --exit-vocab``, which
+    the trainer (``exit_vocab_size``; a resumed run loads heads with it) or by ``hispec-export --exit-vocab-size``, which
     measures its held-out agreement for the card; decoding with it equals transformers."""
     vocab = exit_vocabulary(torch.tensor([5, 5, 5, 7, 7, 9, 2]), 2, 20, always=[11])
     assert vocab.ids.tolist() == [5, 11] and vocab.coverage == pytest.approx(3 / 7)
     for bad in (0, 20):
-        with pytest.raises(HiSpecError, match="exit_vocab"):
+        with pytest.raises(HiSpecError, match="exit_vocab_size"):
             exit_vocabulary(torch.tensor([1, 2]), bad, 20)
 
-    run = train(_cfg(trainable_base, data_file, tmp_path / "run", exit_vocab=30, max_steps=4, save_every=2))
-    run = train(_cfg(trainable_base, data_file, tmp_path / "run", exit_vocab=30, max_steps=6, save_every=2, resume="true"))
+    run = train(_cfg(trainable_base, data_file, tmp_path / "run", exit_vocab_size=30, max_steps=4, save_every=2))
+    run = train(_cfg(trainable_base, data_file, tmp_path / "run", exit_vocab_size=30, max_steps=6, save_every=2, resume="true"))
     trained = HiSpecAdapter.from_pretrained(run / "checkpoint")
     assert all(h.vocab.numel() == 30 for h in trained.heads.values())
     assert 0.5 < trained.config.training["exit_vocab_coverage"] <= 1.0
 
     out = tmp_path / "heads"
-    adapter = export(trained_run, out, exit_vocab=40)
+    adapter = export(trained_run, out, exit_vocab_size=40)
     card = (out / "README.md").read_text()
     assert "40-token exit vocabulary" in card and "most frequent tokens" in card
     loaded = HiSpecAdapter.from_pretrained(out)

@@ -11,8 +11,8 @@ import sys
 import deepspeed
 import torch
 
-from hispec_decode.architectures import adapter_for
-from hispec_decode.loading import load_base
+from hispec_decode.models import decoder_for
+from hispec_decode.models.loading import load_base
 from hispec_train.trainer import base_forward
 from hispec_train.zero import shard_base
 
@@ -22,7 +22,7 @@ def main(base_path: str, out_dir: str) -> None:
     rank = int(os.environ["RANK"])
     model = load_base(base_path, "float32").model
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
-    base = adapter_for(model, pack_weights=False)
+    base = decoder_for(model, pack_weights=False)
     inner = model.model
     ref_hidden, ref_final = base_forward(inner, ids, [1, 3])
     ref_logits = base.final_logits(ref_final)

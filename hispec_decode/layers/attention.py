@@ -4,7 +4,7 @@ One forward call runs the new tokens of several sequences packed into one ``[1, 
 tensor (no padding). The metadata is an explicit object handed to each layer (never a
 global): for every sequence, which positions its new tokens take, where they go in the paged
 cache and which slots hold its past. Each sequence attends to its own past only, under its
-own causal mask; masks are built once per call and window size, then shared by all layers.
+own causal mask; masks are built once per call and sliding-window size, then shared by all layers.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from .paged_cache import PagedKVCache, Slots
+    from ..engine.kv_cache import PagedKVCache, Slots
 
 
 @dataclass
@@ -31,20 +31,20 @@ class Segment:
     device: torch.device
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
-    def mask(self, window: int | None = None) -> torch.Tensor | None:
+    def mask(self, sliding_window: int | None = None) -> torch.Tensor | None:
         """Boolean mask [num_new, start + num_new] (True = attend), or None when all keys are visible."""
-        if window not in self._masks:
+        if sliding_window not in self._masks:
             total = self.start + self.num_new
-            if self.num_new == 1 and (window is None or total <= window):
-                self._masks[window] = None
+            if self.num_new == 1 and (sliding_window is None or total <= sliding_window):
+                self._masks[sliding_window] = None
             else:
                 kv = torch.arange(total, device=self.device)[None, :]
                 q = torch.arange(self.start, total, device=self.device)[:, None]
                 allowed = kv <= q
-                if window is not None:
-                    allowed &= kv > q - window
-                self._masks[window] = allowed
-        return self._masks[window]
+                if sliding_window is not None:
+                    allowed &= kv > q - sliding_window
+                self._masks[sliding_window] = allowed
+        return self._masks[sliding_window]
 
 
 @dataclass
@@ -96,7 +96,7 @@ def attend(
     cache: PagedKVCache,
     layer: int,
     scale: float,
-    window: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Write the new K/V into ``layer``'s pool, then let each sequence attend to its own past
     and new tokens (gather-then-SDPA, grouped KV heads); returns [1, T, n_heads * head_dim]."""
@@ -106,7 +106,7 @@ def attend(
         keys, values = cache.read(layer, seg.read)
         qs = q[:, :, seg.offset : seg.offset + seg.num_new]
         outs.append(F.scaled_dot_product_attention(
-            qs, keys, values, attn_mask=seg.mask(window), scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+            qs, keys, values, attn_mask=seg.mask(sliding_window), scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
         ))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).flatten(2)

@@ -10,73 +10,67 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from ..config import GenerationConfig
+from ..decoding.policy import Policy
+
 HISPEC_DRAFTS = (1, 2, 3, 4)
 HISPEC_WINDOWS = (2, 3, 4, 6, 8)
 SELF_SPEC_DRAFTS = (1, 2, 3, 4, 6)
 
 
-@dataclass(frozen=True)
-class Config:
-    method: str
-    draft_layer: int | None = None
-    verify_layer: int | None = None
-    window: int | None = None
-    num_draft: int | None = None
-
-    def label(self) -> str:
-        if self.method == "hispec":
-            return f"hispec L{self.draft_layer}/L{self.verify_layer} k_d={self.num_draft} N_i={self.window}"
-        if self.method == "self_spec":
-            return f"self_spec L{self.draft_layer} k={self.num_draft}"
-        return self.method
+def label(c: GenerationConfig) -> str:
+    if c.method == "hispec":
+        return f"hispec L{c.draft_layer}/L{c.verify_layer} k_d={c.num_draft} N_i={c.window}"
+    if c.method == "self_spec":
+        return f"self_spec L{c.draft_layer} k={c.num_draft}"
+    return c.method
 
 
-def grid(p) -> list[Config]:
+def grid(p: Policy, max_new_tokens: int) -> list[GenerationConfig]:
     """The configurations swept around a policy's exit layers ``p``."""
-    configs = [Config("autoregressive")]
-    configs += [Config("hispec", p.draft_layer, p.verify_layer, w, k) for k, w in product(HISPEC_DRAFTS, HISPEC_WINDOWS)]
-    configs += [Config("self_spec", d, None, None, k) for d, k in product((p.draft_layer, p.verify_layer), SELF_SPEC_DRAFTS)]
+    def config(method: str, **policy: int) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=max_new_tokens, method=method, **policy)
+
+    configs = [config("autoregressive")]
+    configs += [config("hispec", draft_layer=p.draft_layer, verify_layer=p.verify_layer, window=w, num_draft=k)
+                for k, w in product(HISPEC_DRAFTS, HISPEC_WINDOWS)]
+    configs += [config("self_spec", draft_layer=d, num_draft=k)
+                for d, k in product((p.draft_layer, p.verify_layer), SELF_SPEC_DRAFTS)]
     return configs
 
 
-def run_sweep(model, policy, prompts: list[list[int]], max_new_tokens: int) -> list[dict[str, Any]]:
-    configs = grid(policy)
+def run_sweep(model, policy: Policy, prompts: list[list[int]], max_new_tokens: int) -> list[dict[str, Any]]:
+    configs = grid(policy, max_new_tokens)
     tallies = {c: [0, 0.0, 0, 0, 0, 0] for c in configs}  # tokens, seconds, acc_i, drafted, acc_f, tentative
     for c in configs:  # warm-up
-        model.generate([prompts[0]], max_new_tokens=4, **_kwargs(c))
+        model.generate([prompts[0]], c, max_new_tokens=4)
     for i, prompt in enumerate(tqdm(prompts, desc="sweep", unit="prompt")):
         order = configs[i % len(configs):] + configs[: i % len(configs)]
         for c in order:
             t0 = time.perf_counter()
-            (run,) = model.generate([prompt], max_new_tokens=max_new_tokens, **_kwargs(c)).runs
+            (seq,) = model.generate([prompt], c).seqs
             t = tallies[c]
             t[1] += time.perf_counter() - t0
-            t[0] += len(run.tokens) - run.prompt_length
-            k = run.counters
+            t[0] += len(seq.new_tokens)
+            k = seq.counters
             t[2] += k.accepted_intermediate; t[3] += k.drafted; t[4] += k.accepted_final; t[5] += k.tentative
     ar = tallies[configs[0]]
     ar_tps = ar[0] / ar[1]
     rows = []
     for c in configs:
         tokens, seconds, acc_i, drafted, acc_f, tentative = tallies[c]
-        rows.append({"config": c.label(), "method": c.method, "draft_layer": c.draft_layer, "verify_layer": c.verify_layer,
+        rows.append({"config": label(c), "method": c.method, "draft_layer": c.draft_layer, "verify_layer": c.verify_layer,
                      "window": c.window, "num_draft": c.num_draft, "tokens_per_second": tokens / seconds,
                      "speedup_vs_autoregressive": tokens / seconds / ar_tps,
                      "acceptance_intermediate": acc_i / drafted if drafted else None,
                      "acceptance_final": acc_f / tentative if tentative else None})
     return rows
-
-
-def _kwargs(c: Config) -> dict[str, Any]:
-    return {"method": c.method, "draft_layer": c.draft_layer, "verify_layer": c.verify_layer, "window": c.window,
-            "num_draft": c.num_draft}
 
 
 def write_sweep(rows: list[dict[str, Any]], out_dir: Path, tag: str) -> None:

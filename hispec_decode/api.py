@@ -1,0 +1,125 @@
+"""``HiSpecModel``: a base model plus optional exit heads; ``from_pretrained``, ``generate``, ``serve``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .adapter import HiSpecAdapter, compute_fingerprint
+from .config import EngineConfig, GenerationConfig, split_overrides
+from .decoding.policy import Policy, resolve_policy
+from .engine.llm_engine import LLMEngine
+from .engine.model_runner import ModelRunner
+from .errors import AdapterError
+from .inputs import prompt_rows
+from .models import DecoderModel, LoadedBase, decoder_for, load_base
+from .outputs import GenerateOutput, generation_stats
+
+logger = logging.getLogger(__name__)
+
+NO_HEADS = "none"
+DEFAULT_HEADS_DIR = Path(__file__).parent / "default_heads" / "smollm2-135m"  # trained by recipes/smollm2-135m.yaml
+
+
+class HiSpecModel:
+    """A frozen base model with early exits. Build with :meth:`from_pretrained`."""
+
+    def __init__(self, loaded: LoadedBase, decoder: DecoderModel, adapter: HiSpecAdapter | None = None) -> None:
+        self.base_model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.base_name = loaded.name
+        self.adapter = adapter
+        self.decoder = decoder
+        heads = {}
+        if adapter is not None:
+            heads = {int(k): h.to(decoder.dtype).eval().requires_grad_(False) for k, h in adapter.heads.items()}
+        self.runner = ModelRunner(decoder, heads)
+        self.generation_config = GenerationConfig()  # defaults of generate and serve
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        base: str | os.PathLike | None = None,
+        heads: str | os.PathLike | None = None,
+        dtype: str | torch.dtype = "float32",
+        revision: str | None = None,
+        pack_weights: bool = True,
+    ) -> HiSpecModel:
+        """Load a base (``None``: the embedded SmolLM2-135M-Instruct) and optional heads
+        (a local adapter directory or a Hub repo id; ``revision`` applies to the heads).
+        With ``base=None`` and ``heads=None`` the trained default heads shipped with HiSpec are
+        used; ``heads="none"`` forces the untrained exits (the base's norm + LM head).
+
+        ``pack_weights``: on CPU, keep oneDNN-packed copies of the linear weights (about 2x
+        faster decoding for a second copy of those weights in memory)."""
+        if heads is None and base is None and DEFAULT_HEADS_DIR.is_dir():
+            heads = DEFAULT_HEADS_DIR
+        if heads is not None and str(heads).lower() == NO_HEADS:
+            heads = None
+        loaded = load_base(base, dtype)
+        decoder = decoder_for(loaded.model, pack_weights)
+        adapter = HiSpecAdapter.from_pretrained(heads, revision=revision, decoder=decoder) if heads is not None else None
+        if adapter is not None:
+            cfg = adapter.config
+            shape = (loaded.model.config.num_hidden_layers, loaded.model.config.hidden_size, loaded.model.config.vocab_size)
+            if (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) != shape:
+                raise AdapterError(
+                    f"heads were made for {cfg.base_model!r} with (layers, hidden, vocab) = "
+                    f"{(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size)}, but base {loaded.name!r} has {shape}"
+                )
+            cfg.check_base(compute_fingerprint(loaded.model), loaded.name)
+        return cls(loaded, decoder, adapter)
+
+    @property
+    def num_layers(self) -> int:
+        return self.decoder.num_layers
+
+    def policy(self, generation_config: GenerationConfig | None = None, **overrides: Any) -> Policy:
+        """The exits and windows a config resolves to on this model (the adapter's roles first)."""
+        config = (generation_config or self.generation_config).update(**overrides)
+        roles = {}
+        if self.adapter is not None:
+            roles = {r: self.adapter.config.layer_for(r) for r in ("draft", "intermediate")}
+        return resolve_policy(config.method, self.num_layers, config.draft_layer, config.verify_layer, config.window,
+                              config.num_draft, roles)
+
+    def serve(self, generation_config: GenerationConfig | None = None, engine_config: EngineConfig | None = None,
+              **overrides: Any) -> LLMEngine:
+        """A continuous-batching engine (``add_request`` / ``step`` / ``stream`` / ``abort``) over a
+        paged KV cache (``num_blocks`` blocks of ``block_size`` tokens, default 1024 x 16). The
+        method and policy are fixed for its requests; sampling fields are per-request defaults."""
+        config, engine = split_overrides(generation_config or self.generation_config, engine_config, overrides)
+        policy = self.policy(config)
+        runner = self.runner
+        if not config.use_exit_vocab:
+            runner = ModelRunner(self.decoder, self.runner.heads, use_exit_vocab=False)
+        return LLMEngine(runner, config, policy, engine)
+
+    def generate(self, input_ids: torch.Tensor | Sequence[Sequence[int]], generation_config: GenerationConfig | None = None,
+                 engine_config: EngineConfig | None = None, **overrides: Any) -> GenerateOutput:
+        """Decode all rows as one continuous batch (prompts may differ in length; each row
+        accepts its own number of tokens). Greedy output equals the base model's, sampled output
+        is distributed as it. Keyword ``overrides`` set fields of either config, e.g.
+        ``generate(ids, max_new_tokens=24, method="self_spec", num_blocks=64)``. ``num_blocks``
+        (default: enough for every row) sizes the paged KV cache; a smaller cache preempts and
+        recomputes rows, never changing a token. Row ``i`` samples with seed ``seed + i``."""
+        config, engine = split_overrides(generation_config or self.generation_config, engine_config, overrides)
+        rows = prompt_rows(input_ids, self.decoder.vocab_size, self.decoder.max_positions)
+        if engine.num_blocks is None:
+            context, size = self.decoder.max_positions, engine.block_size
+            blocks = sum(-(-min(len(r) + config.max_new_tokens, context) // size) for r in rows)
+            engine = EngineConfig(blocks, size, engine.schedule)
+        server = self.serve(config, engine)
+        t0 = time.perf_counter()
+        ids = [server.add_request(r, seed=None if config.seed is None else config.seed + i) for i, r in enumerate(rows)]
+        while server.has_unfinished():
+            server.step()
+        seconds = time.perf_counter() - t0
+        seqs = [server.sequences[i] for i in ids]
+        return GenerateOutput([s.new_tokens for s in seqs], generation_stats(server, seqs, seconds), seqs)
+

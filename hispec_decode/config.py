@@ -1,0 +1,136 @@
+"""What to generate and how: ``GenerationConfig`` (per call or request) and ``EngineConfig`` (the cache).
+
+Both are dataclasses validated where they are built, so a bad value fails before any work with
+a message that names the argument. ``generate(ids, generation_config, **overrides)`` and
+``serve(...)`` accept keyword overrides of either config's fields (:func:`split_overrides`).
+Each field carries its help text in its metadata; the command-line tools build their options
+from it (:mod:`hispec_decode.tools.args`).
+
+A server fixes the fields of :data:`ENGINE_FIELDS` (the method and its policy) for every
+request; the others can differ per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .decoding.sampling import SamplingParams
+from .engine.block_manager import DEFAULT_BLOCK_SIZE
+from .errors import HiSpecError
+
+METHODS = ("autoregressive", "self_spec", "hispec")
+SCHEDULES = ("eager", "gather")
+DEFAULT_SCHEDULE = "gather"  # measured faster at every batch size from 2 to 16 (docs/batching.md)
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Everything one ``generate`` call (or one server request) decides; ``None`` means "the default"
+    (for layers and windows: the adapter's roles, else fractions of the depth, see
+    :mod:`hispec_decode.decoding.policy`)."""
+
+    max_new_tokens: int = field(default=64, metadata=_help("new tokens per prompt at most"))
+    method: str = field(default="hispec", metadata=_help("autoregressive, self_spec or hispec"))
+    do_sample: bool = field(default=False, metadata=_help("sample instead of greedy decoding"))
+    temperature: float = field(default=1.0, metadata=_help("sampling temperature (> 0)"))
+    top_k: int = field(default=0, metadata=_help("sample among the k most likely tokens (0: all)"))
+    top_p: float = field(default=1.0, metadata=_help("nucleus sampling mass in (0, 1]"))
+    seed: int | None = field(default=None, metadata=_help("random seed; row i of a batch uses seed + i"))
+    eos_token_id: int | tuple[int, ...] | None = field(
+        default=None, metadata=_help("end-of-sequence id(s) (default: the model's generation config)"))
+    draft_layer: int | None = field(default=None, metadata=_help("L_d (default: the adapter's draft head, else ~depth/8)"))
+    verify_layer: int | None = field(
+        default=None, metadata=_help("L_i, the intermediate exit (default: the adapter's intermediate head, else ~depth/4)"))
+    window: int | None = field(default=None, metadata=_help("N_i: tentative tokens per full verification"))
+    num_draft: int | None = field(default=None, metadata=_help("drafts per check (k for self_spec, k_d for hispec)"))
+    use_exit_vocab: bool = field(
+        default=True, metadata=_help("early exits predict over the heads' reduced vocabularies, where they have one"))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        self.validate()
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise HiSpecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        for name in ("draft_layer", "verify_layer"):
+            _check_int(name, getattr(self, name), None, optional=True)
+        for name in ("window", "num_draft"):
+            _check_int(name, getattr(self, name), 1, optional=True)
+        _check_int("seed", self.seed, None, optional=True)
+        eos = self.eos_token_id
+        if eos is not None and not all(_is_int(t) and t >= 0 for t in (eos if isinstance(eos, tuple) else (eos,))):
+            raise HiSpecError(f"eos_token_id must be a token id >= 0 or a list of them; got {eos!r}")
+        for name in ("do_sample", "use_exit_vocab"):
+            if not isinstance(getattr(self, name), bool):
+                raise HiSpecError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        self.sampling_params()  # checks temperature, top_k, top_p
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(self.do_sample, self.temperature, self.top_k, self.top_p)
+
+    def update(self, **overrides: Any) -> GenerationConfig:
+        """A copy with ``overrides`` applied (unknown names fail, naming the known ones)."""
+        unknown = sorted(set(overrides) - GENERATION_FIELDS)
+        if unknown:
+            raise HiSpecError(f"unknown generation argument(s) {unknown}; known: {', '.join(sorted(GENERATION_FIELDS))}")
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+    def eos_ids(self, default: frozenset[int]) -> frozenset[int]:
+        if self.eos_token_id is None:
+            return default
+        return frozenset(self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The paged KV cache and the batch scheduler of a server (or of one ``generate`` call)."""
+
+    num_blocks: int | None = field(
+        default=None, metadata=_help("KV cache blocks (default: generate sizes it for its rows, serve uses 1024)"))
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata=_help("tokens per KV cache block"))
+    schedule: str = field(default=DEFAULT_SCHEDULE, metadata=_help(
+        "when sequences waiting for the full model are verified: gather (wait so one pass verifies many) or eager"))
+
+    def __post_init__(self) -> None:
+        _check_int("num_blocks", self.num_blocks, 1, optional=True)
+        _check_int("block_size", self.block_size, 1)
+        if self.schedule not in SCHEDULES:
+            raise HiSpecError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+
+
+GENERATION_FIELDS = frozenset(f.name for f in dataclasses.fields(GenerationConfig))
+ENGINE_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+# fixed per server: every request of one server runs the same strategy and exits
+ENGINE_FIELDS = frozenset({"method", "draft_layer", "verify_layer", "window", "num_draft", "use_exit_vocab"})
+
+
+def split_overrides(generation_config: GenerationConfig | None, engine_config: EngineConfig | None,
+                    overrides: dict[str, Any]) -> tuple[GenerationConfig, EngineConfig]:
+    """Apply keyword overrides to whichever config owns each name."""
+    engine_keys = {k: overrides[k] for k in overrides if k in ENGINE_CONFIG_FIELDS}
+    generation = (generation_config or GenerationConfig()).update(
+        **{k: v for k, v in overrides.items() if k not in engine_keys})
+    engine = engine_config or EngineConfig()
+    return generation, dataclasses.replace(engine, **engine_keys) if engine_keys else engine
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, minimum: int | None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        allowed = "an integer" + (f" >= {minimum}" if minimum is not None else "") + (" or None" if optional else "")
+        raise HiSpecError(f"{name} must be {allowed}; got {value!r}")
+

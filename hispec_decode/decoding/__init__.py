@@ -1,0 +1,2 @@
+"""Decoding: the strategies (autoregressive, self_spec, hispec), their policy, token choice and
+speculative verification."""

@@ -1,0 +1,133 @@
+"""``LLMEngine``: continuous batching, i.e. many sequences share one runner, one paged cache and one
+forward sweep per step.
+
+``add_request`` queues a prompt; ``step`` admits what fits, serves one sweep of the sequences the
+scheduler picks (:mod:`hispec_decode.engine.scheduler`), feeds each its logits, and retires the
+finished ones (their blocks are freed at once); ``stream`` steps until every request is done,
+yielding the tokens the full model committed. Every sequence drafts, is checked at ``L_i`` and
+verified at ``L_f`` on its own counts, while the sequences that need the same layers share one
+batched pass. A request whose prompt plus token limit cannot fit in the whole pool is refused by
+``add_request`` with :class:`OutOfBlocksError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence as Seq
+
+from ..config import ENGINE_FIELDS, EngineConfig, GenerationConfig
+from ..decoding.policy import Policy
+from ..decoding.sampling import TokenSampler
+from ..decoding.strategies import STRATEGIES
+from ..errors import HiSpecError, OutOfBlocksError
+from ..inputs import prompt_rows
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+DEFAULT_SERVER_BLOCKS = 1024
+
+
+@dataclass
+class StepOutput:
+    """Tokens of one request that the full model committed during a step."""
+
+    request_id: int
+    new_tokens: list[int]
+    finished: bool
+
+
+class LLMEngine:
+    """``add_request`` / ``step`` / ``stream`` / ``abort`` over one strategy, policy and paged cache.
+
+    ``config`` holds the server's method and policy (fixed for every request) and the defaults
+    of the per-request fields (``max_new_tokens``, sampling, ``seed``, ``eos_token_id``)."""
+
+    def __init__(self, runner: ModelRunner, config: GenerationConfig, policy: Policy,
+                 engine_config: EngineConfig | None = None) -> None:
+        engine_config = engine_config or EngineConfig()
+        self.runner, self.config, self.policy, self.engine_config = runner, config, policy, engine_config
+        self.strategy = STRATEGIES[config.method]
+        self.exits = self.strategy.exits(policy, runner.decoder.num_layers)
+        self.cache = runner.new_cache(engine_config.num_blocks or DEFAULT_SERVER_BLOCKS, engine_config.block_size)
+        self.scheduler = Scheduler(self.cache.manager, len(self.exits), engine_config.schedule)
+        self.sequences: dict[int, Sequence] = {}  # every request added, by id
+        self.steps = 0
+        self.peak_slots = 0  # most KV slots held by allocated blocks at once
+        self.peak_tokens = 0  # most tokens the sequences held at once
+        self._ids = itertools.count()
+
+    def add_request(self, prompt: Seq[int], generation_config: GenerationConfig | None = None, **overrides: Any) -> int:
+        """Validate and queue a prompt (token ids); it joins the running batch at the next step with
+        room for it. ``overrides`` set per-request fields (``max_new_tokens``, ``do_sample``,
+        ``temperature``, ``top_k``, ``top_p``, ``seed``, ``eos_token_id``). Returns its request id."""
+        config = (generation_config or self.config).update(**overrides)
+        fixed = [k for k in sorted(ENGINE_FIELDS) if getattr(config, k) != getattr(self.config, k)]
+        if fixed:
+            raise HiSpecError(f"{', '.join(fixed)} is fixed per server ({self.config.method}); start another server "
+                              f"with model.serve(...) to change it")
+        decoder = self.runner.decoder
+        (row,) = prompt_rows([prompt], decoder.vocab_size, decoder.max_positions)
+        limit = min(len(row) + config.max_new_tokens, decoder.max_positions)
+        manager = self.cache.manager
+        if manager.blocks_for(limit) > manager.num_blocks:
+            raise OutOfBlocksError(
+                f"a request of {len(row)} prompt tokens and up to {limit - len(row)} new ones cannot fit a KV "
+                f"cache of {manager.num_blocks} blocks of {manager.block_size} tokens; raise num_blocks"
+            )
+        rid = next(self._ids)
+        sampler = TokenSampler(config.sampling_params(), config.seed)
+        seq = Sequence(rid, row, self.cache, self.exits, sampler, limit, config.eos_ids(decoder.default_eos_ids()),
+                       self.policy)
+        self.sequences[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        """Admit what fits, serve one sweep, retire finished sequences; returns committed tokens."""
+        for seq in self.scheduler.admit():
+            seq.steps = self.strategy.decode(seq)
+            seq.request = next(seq.steps)
+        if not self.scheduler.running:
+            return []
+        batch = self.scheduler.next_batch()
+        logits = self.runner.advance([s.request for s in batch])
+        usage = self.cache.manager.usage()  # the step's high point: drafts written, nothing truncated yet
+        self.peak_slots = max(self.peak_slots, usage["slots_held"])
+        self.peak_tokens = max(self.peak_tokens, usage["tokens_needed"])
+        outputs = []
+        for seq, lg in zip(batch, logits):
+            try:
+                seq.request = seq.steps.send(lg)
+            except StopIteration:
+                seq.request = None
+            done = seq.request is None
+            if seq.committed > seq.reported or done:
+                outputs.append(StepOutput(seq.seq_id, seq.tokens[seq.reported : seq.committed], done))
+                seq.reported = seq.committed
+            if done:
+                self.scheduler.finish(seq)
+        self.steps += 1
+        return outputs
+
+    def stream(self) -> Iterator[StepOutput]:
+        """Step until every request is finished, yielding committed tokens as they come."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request now (e.g. its client went away): its blocks are freed at once."""
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            raise HiSpecError(f"no request {request_id!r}")
+        if seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq)
+            seq.finish_reason = "abort"
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions

@@ -1,0 +1,117 @@
+"""``ModelRunner``: advance many sequences through bands of layers in one sweep, reusing everything.
+
+A strategy splits the model at its exits, e.g. ``(L_d, L_i, L_f)``: band 0 is
+``layers[0:L_d]``, band 1 ``layers[L_d:L_i]``, band 2 ``layers[L_i:L_f]``. Each band of a
+sequence has processed a prefix of it (its length in the block manager); lower bands are
+ahead of upper ones. The hidden states a band produced that the band above has not consumed
+yet wait in ``Sequence.pending``, so a draft's lower layers are never recomputed and a token
+accepted at ``L_i`` continues from ``L_i``'s hidden state. Rejection is ``Sequence.truncate``.
+
+:meth:`ModelRunner.advance` serves a list of :class:`BandRequest` in one sweep up the layers:
+band ``b`` runs once, as one packed forward over the new tokens of every sequence that needs it
+(each with its own past length and number of new tokens, no padding), and each request gets
+the logits of its ``num_logits`` newest positions at its own exit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.exit_heads import ExitHead
+from ..models.base import DecoderModel
+from .block_manager import DEFAULT_BLOCK_SIZE
+from .kv_cache import PagedKVCache
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class BandRequest:
+    """Bring ``seq`` through bands ``0..top_band``; return the logits of its ``num_logits`` newest
+    positions at the exit on top of that band."""
+
+    seq: Sequence
+    top_band: int
+    num_logits: int
+
+
+class ModelRunner:
+    """A base model (through its :class:`DecoderModel`) plus exit heads by layer."""
+
+    def __init__(self, decoder: DecoderModel, heads: dict[int, ExitHead] | None = None,
+                 use_exit_vocab: bool = True) -> None:
+        self.decoder = decoder
+        self.heads = dict(heads or {})
+        self.use_exit_vocab = use_exit_vocab  # use the heads' reduced vocabularies, where they have one
+        # exit heads with their own attention keep K/V in extra cache layers after the base's
+        cached = sorted(layer for layer, head in self.heads.items() if head.has_cache)
+        self.head_cache_layer = {layer: decoder.num_layers + j for j, layer in enumerate(cached)}
+
+    def new_cache(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> PagedKVCache:
+        return self.decoder.new_cache(num_blocks, block_size, len(self.head_cache_layer))
+
+    @torch.inference_mode()
+    def advance(self, requests: list[BandRequest]) -> list[torch.Tensor]:
+        """Serve every request in one sweep up the layers; returns ``[num_logits, vocab]`` logits each."""
+        if not requests:
+            return []
+        cache = requests[0].seq.cache
+        for r in requests:  # reserve first: running out of blocks changes no token
+            cache.copy_blocks(cache.manager.reserve(r.seq.seq_id, len(r.seq.tokens)))
+        at_top: list[torch.Tensor | None] = [None] * len(requests)
+        for band in range(max(r.top_band for r in requests) + 1):
+            group = [(i, r.seq) for i, r in enumerate(requests)
+                     if r.top_band >= band and r.seq.processed(band) < len(r.seq.tokens)]
+            if not group:
+                continue
+            exits = group[0][1].exits
+            lo, hi = (exits[band - 1] if band else 0), exits[band]
+            spans = [(st.seq_id, st.processed(band), len(st.tokens) - st.processed(band)) for _, st in group]
+            meta = self.decoder.meta(cache, spans)
+            if band == 0:
+                ids = [t for _, st in group for t in st.tokens[st.processed(0):]]
+                x = self.decoder.embed(torch.tensor(ids, device=self.decoder.device), meta)
+            else:  # pending[band-1] covers exactly [processed(band), len(tokens))
+                x = torch.cat([st.pending[band - 1] for _, st in group], dim=1)
+                for _, st in group:
+                    st.pending[band - 1] = None
+            h = self.decoder.run(x, lo, hi, meta, cache)
+            head = self.heads.get(hi)
+            g = head.extend(h, meta, cache, self.head_cache_layer[hi], self.decoder) if hi in self.head_cache_layer else h
+            for (i, st), (_, start, n), seg in zip(group, spans, meta.segments):
+                cache.manager.set_length(st.seq_id, band, start + n)
+                rows = slice(seg.offset, seg.offset + n)
+                if band < len(st.pending):
+                    prev = st.pending[band]
+                    st.pending[band] = h[:, rows] if prev is None else torch.cat([prev, h[:, rows]], dim=1)
+                if requests[i].top_band == band:
+                    at_top[i] = g[:, rows]
+        return self._logits(requests, at_top)
+
+    def _logits(self, requests: list[BandRequest], at_top: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """One exit call per exit layer over the requested rows of every sequence."""
+        out: list[torch.Tensor | None] = [None] * len(requests)
+        for layer in sorted({r.seq.exits[r.top_band] for r in requests}):
+            idx = [i for i, r in enumerate(requests) if r.seq.exits[r.top_band] == layer]
+            for i in idx:
+                if at_top[i] is None or at_top[i].shape[1] < requests[i].num_logits:
+                    raise RuntimeError(f"request {i}: fewer new positions at exit {layer} than the "
+                                       f"{requests[i].num_logits} asked for")
+            rows = torch.cat([at_top[i][:, -requests[i].num_logits :] for i in idx], dim=1)
+            logits = self.exit_logits(layer, rows)
+            offset = 0
+            for i in idx:
+                out[i] = logits[offset : offset + requests[i].num_logits]
+                offset += requests[i].num_logits
+        return out  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def exit_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits at exit ``layer`` ([1, n, hidden] -> [n, vocab]); for a head with
+        its own attention ``h`` is that head's output (see :meth:`ExitHead.extend`)."""
+        head = self.heads.get(layer)
+        if layer == self.decoder.num_layers or head is None:
+            return self.decoder.final_logits(h)[0]
+        h = h if layer in self.head_cache_layer else head.transform(h)
+        return head.project(h, self.decoder, restrict=self.use_exit_vocab)[0]

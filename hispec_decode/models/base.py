@@ -1,0 +1,207 @@
+"""``DecoderModel``: the engine's view of a Hugging Face decoder, run layer by layer over our cache.
+
+No modeling file is copied: each family (``llama.py``, ``opt.py``) reads the model's own modules
+(projections, norms, rotary embedding, MLP) and calls them, adding only what the engine needs: an
+explicit write position in a :class:`~hispec_decode.engine.kv_cache.PagedKVCache`, explicit
+attention metadata for a ragged batch, and the ability to start and stop at any layer
+(``run(h, lo, hi)`` runs ``layers[lo:hi]``).
+
+For speed the q/k/v projections and the MLP's gate/up projections are fused into one matmul
+each, and on CPU every linear runs on oneDNN-packed weights (see :mod:`hispec_decode.layers.linear`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..engine.kv_cache import PagedKVCache
+from ..layers.attention import AttentionMeta, attend, build_meta
+from ..layers.linear import FusedLinear
+
+
+# (q, k, v, scale, sliding_window) -> attention output [B, T, heads * head_dim]; q/k/v are [B, heads, T, d]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"], torch.Tensor]
+
+
+@dataclass
+class LayerKernels:
+    """What one decoder layer computes with: its module (norms, activation) and its linears,
+    fused and packed for decoding or the module's own (differentiable) ones for training."""
+
+    module: nn.Module
+    qkv: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    out: Callable[[torch.Tensor], torch.Tensor]
+    mlp_in: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    mlp_out: Callable[[torch.Tensor], torch.Tensor]
+    sliding_window: int | None = None  # attention span of a sliding-window layer (Qwen3); None: all
+
+
+def module_linears(*linears: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    return lambda x: tuple(lin(x) for lin in linears)
+
+
+class DecoderModel(ABC):
+    """The engine's view of one base model: embed, run any slice of layers, exit to logits.
+    One subclass per architecture family (see :mod:`hispec_decode.models.registry`)."""
+
+    def __init__(self, model: nn.Module, pack_weights: bool = True) -> None:
+        self.model = model
+        self.config = model.config
+        self.pack = pack_weights
+        self.num_layers: int = self.config.num_hidden_layers
+        self.vocab_size: int = self.config.vocab_size
+        self.max_positions: int = self.config.max_position_embeddings
+        self.lm_head: nn.Module = model.get_output_embeddings()
+        self.lm_head_kernel = FusedLinear([self.lm_head], pack_weights)
+        self.kept_norm: dict[str, torch.Tensor] | None = None  # see keep_exit
+        self._vocab_kernels: dict = {}  # see vocab_logits: id(tensor) -> (tensor, kernel), content -> kernel
+
+    @cached_property
+    def layer_kernels(self) -> list[LayerKernels]:
+        """Kernels of every base layer, built on first use (training never runs them)."""
+        return [self.kernels(layer) for layer in self.layers]
+
+    def default_eos_ids(self) -> frozenset[int]:
+        """End-of-sequence ids of the model's generation config (else its config), maybe none."""
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) or self.config.eos_token_id
+        if eos is None:
+            return frozenset()
+        return frozenset([eos] if isinstance(eos, int) else eos)
+
+    def linear(self, *linears: nn.Linear) -> FusedLinear:
+        return FusedLinear(list(linears), self.pack)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    # -- the pieces every architecture provides -------------------------------------------
+    @abstractmethod
+    def embed(self, tokens: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """Token ids [T] -> input hidden states [1, T, hidden]."""
+
+    @abstractmethod
+    def kernels(self, module: nn.Module, packed: bool = True) -> LayerKernels:
+        """Kernels of a decoder layer module (one of the base's, or a head's copy of one)."""
+
+    @abstractmethod
+    def block(self, k: LayerKernels, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+              attn: AttentionFn) -> torch.Tensor:
+        """One decoder layer on [B, T, hidden]; ``attn`` decides what the queries attend to."""
+
+    @abstractmethod
+    def rope_for(self, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rotary tables of positions ``0..length-1`` (None for learned positions)."""
+
+    @abstractmethod
+    def model_norm_params(self) -> dict[str, torch.Tensor]:
+        """The model's final norm parameters."""
+
+    def norm_params(self) -> dict[str, torch.Tensor]:
+        """The final norm's parameters (a head may own a trainable copy)."""
+        return self.kept_norm if self.kept_norm is not None else self.model_norm_params()
+
+    def keep_exit(self, device: torch.device) -> None:
+        """Use private, whole copies of the final norm and the LM head from now on: for when the
+        model's own parameters are about to be partitioned (training under ZeRO-3)."""
+        self.lm_head = copy.deepcopy(self.lm_head).to(device)
+        self.lm_head_kernel = FusedLinear([self.lm_head], pack=False)
+        self.kept_norm = {k: v.detach().clone().to(device) for k, v in self.model_norm_params().items()}
+
+    @abstractmethod
+    def exit_norm(self, h: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The final norm (with ``params`` if given, else the base's) and any projection to the LM head."""
+
+    @property
+    @abstractmethod
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def head_dim(self) -> int: ...
+
+    # -- shared ---------------------------------------------------------------------------
+    def meta(self, cache: PagedKVCache, spans: list[tuple[int, int, int]]) -> AttentionMeta:
+        """Metadata of one packed call: ``spans`` holds ``(seq_id, start, num_new)`` per sequence."""
+        return build_meta(cache, spans)
+
+    def cached_block(self, k: LayerKernels, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache,
+                     cache_layer: int) -> torch.Tensor:
+        """A layer over the packed new tokens [1, T, hidden], its K/V in ``cache_layer``'s pool."""
+        def attn(q, key, v, scale, sliding_window):
+            return attend(q, key, v, meta, cache, cache_layer, scale, sliding_window)
+
+        return self.block(k, h, meta.rope, attn)
+
+    def causal_block(self, module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """A layer over whole sequences [B, T, hidden] with causal attention and no cache,
+        differentiable through the module's own weights (training a head's block)."""
+        def attn(q, key, v, scale, sliding_window):
+            T = q.shape[2]
+            mask = None
+            if sliding_window is not None and sliding_window < T:
+                i = torch.arange(T, device=q.device)
+                mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
+            o = F.scaled_dot_product_attention(q, key, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                               enable_gqa=q.shape[1] != key.shape[1])
+            return o.transpose(1, 2).flatten(2)
+
+        return self.block(self.kernels(module, packed=False), h, self.rope_for(h.shape[1]), attn)
+
+    def run(self, h: torch.Tensor, lo: int, hi: int, meta: AttentionMeta, cache: PagedKVCache) -> torch.Tensor:
+        """Run ``layers[lo:hi]``."""
+        for i in range(lo, hi):
+            h = self.cached_block(self.layer_kernels[i], h, meta, cache, i)
+        return h
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The shared LM head (input: the output of :meth:`exit_norm`, cast to the model's dtype)."""
+        return self.lm_head_kernel(h.to(self.dtype))
+
+    def vocab_logits(self, h: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
+        """The LM head restricted to the rows ``vocab`` (token ids): their logits, ``-inf`` for
+        every other token. Costs ``len(vocab) / vocab_size`` of the full LM head (a reduced
+        early-exit vocabulary; the sub-matrix is cut and packed once per vocabulary)."""
+        cached = self._vocab_kernels.get(id(vocab))
+        if cached is not None and cached[0] is vocab:  # holding the tensor keeps its id from being reused
+            kernel = cached[1]
+        else:  # heads with equal vocabularies share one kernel
+            content = (hashlib.sha256(vocab.cpu().numpy().tobytes()).hexdigest(), self.device, self.dtype)
+            kernel = self._vocab_kernels.get(content) or self._vocab_kernel(vocab)
+            self._vocab_kernels[content] = kernel
+            self._vocab_kernels[id(vocab)] = (vocab, kernel)
+        small = kernel(h.to(self.dtype))  # [..., len(vocab)]
+        out = small.new_full((*small.shape[:-1], self.lm_head.out_features), float("-inf"))
+        out[..., vocab] = small
+        return out
+
+    def _vocab_kernel(self, vocab: torch.Tensor) -> FusedLinear:
+        full = self.lm_head
+        sub = nn.Linear(full.in_features, vocab.numel(), bias=full.bias is not None, device=self.device, dtype=self.dtype)
+        with torch.no_grad():
+            sub.weight.copy_(full.weight[vocab])
+            if full.bias is not None:
+                sub.bias.copy_(full.bias[vocab])
+        return FusedLinear([sub.requires_grad_(False)], self.pack)
+
+    def final_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_logits(self.exit_norm(h))
+
+    def new_cache(self, num_blocks: int, block_size: int, extra_layers: int = 0) -> PagedKVCache:
+        """A paged cache for every layer plus ``extra_layers`` (exit heads with attention)."""
+        return PagedKVCache(self.num_layers + extra_layers, self.num_kv_heads, self.head_dim, num_blocks,
+                            block_size, self.dtype, self.device)

@@ -1,0 +1,114 @@
+"""Llama-family decoders: Llama 2/3, CodeLlama, SmolLM2, Qwen2/2.5 (q/k/v biases), Qwen3 (q/k norms)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.attention import AttentionMeta
+from ..engine.kv_cache import PagedKVCache
+from .base import AttentionFn, DecoderModel, LayerKernels, module_linears
+
+
+def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """RMSNorm as transformers computes it: normalise in float32, scale in the model's dtype."""
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaModel(DecoderModel):
+    """Llama 2/3, CodeLlama, SmolLM2, Qwen2/2.5 (q/k/v biases), Qwen3 (q/k norms, sliding layers)."""
+
+    def __init__(self, model: nn.Module, pack_weights: bool = True) -> None:
+        super().__init__(model, pack_weights)
+        self.inner = model.model
+        self.layers = self.inner.layers
+        self._head_dim = self.layers[0].self_attn.head_dim
+        self._num_kv_heads = self.config.num_key_value_heads
+        rope_type = (getattr(self.config, "rope_parameters", None) or {}).get("rope_type", "default")
+        self._static_rope = rope_type not in ("dynamic", "longrope")
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+    def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions 0..length-1, [1, 1, length, head_dim], computed by the model's
+        own rotary module and cached (position-independent rope types only: a table equals
+        per-call values exactly, since each entry depends only on its own position)."""
+        if self._rope is None or self._rope[0].shape[2] < length:
+            grown = 2 * self._rope[0].shape[2] if self._rope else 256
+            size = max(length, min(grown, self.max_positions))
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            positions = torch.arange(size, device=self.device)[None]
+            cos, sin = self.inner.rotary_emb(probe, positions)  # [1, size, head_dim]
+            self._rope = (cos[:, None], sin[:, None])
+        return self._rope
+
+    def meta(self, cache: PagedKVCache, spans: list[tuple[int, int, int]]) -> AttentionMeta:
+        meta = super().meta(cache, spans)
+        if self._static_rope:
+            cos, sin = self.rope_table(max(start + n for _, start, n in spans))
+            idx = meta.contiguous_positions or meta.positions
+            meta.rope = (cos[:, :, idx], sin[:, :, idx])
+        else:  # length-dependent rope (dynamic NTK, longrope): per sequence, for these positions
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            parts = [self.inner.rotary_emb(probe, meta.positions[None, s.offset : s.offset + s.num_new])
+                     for s in meta.segments]
+            meta.rope = (torch.cat([c for c, _ in parts], 1)[:, None], torch.cat([s for _, s in parts], 1)[:, None])
+        return meta
+
+    def rope_for(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._static_rope:
+            cos, sin = self.rope_table(length)
+            return cos[:, :, :length], sin[:, :, :length]
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.inner.rotary_emb(probe, torch.arange(length, device=self.device)[None])
+        return cos[:, None], sin[:, None]
+
+    def embed(self, tokens: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        return self.inner.embed_tokens(tokens[None])
+
+    def kernels(self, module: nn.Module, packed: bool = True) -> LayerKernels:
+        a, mlp = module.self_attn, module.mlp
+        sliding_window = getattr(a, "sliding_window", None)
+        if packed:
+            return LayerKernels(module, self.linear(a.q_proj, a.k_proj, a.v_proj).split, self.linear(a.o_proj),
+                                self.linear(mlp.gate_proj, mlp.up_proj).split, self.linear(mlp.down_proj), sliding_window)
+        return LayerKernels(module, module_linears(a.q_proj, a.k_proj, a.v_proj), a.o_proj,
+                            module_linears(mlp.gate_proj, mlp.up_proj), mlp.down_proj, sliding_window)
+
+    def block(self, k: LayerKernels, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+              attn: AttentionFn) -> torch.Tensor:
+        layer, a, d = k.module, k.module.self_attn, self._head_dim
+        B, T = h.shape[:2]
+        x = rms_norm(h, layer.input_layernorm)
+        q, key, v = k.qkv(x)
+        q, key, v = q.view(B, T, -1, d), key.view(B, T, -1, d), v.view(B, T, -1, d)
+        if hasattr(a, "q_norm"):  # Qwen3
+            q, key = rms_norm(q, a.q_norm), rms_norm(key, a.k_norm)
+        q, key, v = q.transpose(1, 2), key.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, d]
+        cos, sin = rope
+        q = q * cos + _rotate_half(q) * sin
+        key = key * cos + _rotate_half(key) * sin
+        h = h + k.out(attn(q, key, v, a.scaling, k.sliding_window))
+        x = rms_norm(h, layer.post_attention_layernorm)
+        gate, up = k.mlp_in(x)
+        return h + k.mlp_out(layer.mlp.act_fn(gate) * up)
+
+    def model_norm_params(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.inner.norm.weight}
+
+    def exit_norm(self, h: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        weight = (self.norm_params() if params is None else params)["weight"]
+        return weight * F.rms_norm(h.float(), (h.shape[-1],), None, self.inner.norm.variance_epsilon).to(h.dtype)

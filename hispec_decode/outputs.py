@@ -1,0 +1,57 @@
+"""What ``generate`` returns: the new tokens of each row, the run's statistics, the finished sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .decoding.policy import Policy
+from .engine.llm_engine import LLMEngine
+from .engine.sequence import Counters, Sequence
+
+
+@dataclass
+class GenerateOutput:
+    sequences: list[list[int]]  # the new tokens of each row (EOS included if produced)
+    stats: dict[str, Any]
+    seqs: list[Sequence] = field(default_factory=list, repr=False)  # each row's finished Sequence (tokens, counters)
+
+
+def _ratio(num: int, den: int) -> float | None:
+    return num / den if den else None
+
+
+def generation_stats(engine: LLMEngine, seqs: list[Sequence], seconds: float) -> dict[str, Any]:
+    """Acceptance per level, pass counts, speed and cache use of one ``generate`` call."""
+    c = Counters()
+    for seq in seqs:
+        c.add(seq.counters)
+    method, policy = engine.config.method, engine.policy
+    new = sum(len(s.new_tokens) for s in seqs)
+    bytes_per_token = engine.cache.bytes_per_token()
+    return {
+        "method": method,
+        "new_tokens": new,
+        "acceptance_intermediate": _ratio(c.accepted_intermediate, c.drafted),
+        "acceptance_final": _ratio(c.accepted_final, c.tentative),
+        "calls_draft": c.calls_draft,
+        "calls_intermediate": c.calls_intermediate,
+        "calls_full": c.calls_full,
+        "tokens_per_full_call": _ratio(new, c.calls_full),
+        "seconds": seconds,
+        "tokens_per_second": new / seconds if seconds > 0 else 0.0,
+        **_policy_stats(method, policy),
+        "steps": engine.steps,
+        "preemptions": engine.preemptions,
+        "peak_cache_bytes": engine.peak_slots * bytes_per_token,
+        "needed_cache_bytes": engine.peak_tokens * bytes_per_token,
+    }
+
+
+def _policy_stats(method: str, policy: Policy) -> dict[str, int | None]:
+    return {
+        "draft_layer": policy.draft_layer if method != "autoregressive" else None,
+        "verify_layer": policy.verify_layer if method == "hispec" else None,
+        "window": policy.window if method == "hispec" else None,
+        "num_draft": policy.num_draft if method != "autoregressive" else None,
+    }

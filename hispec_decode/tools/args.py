@@ -1,0 +1,73 @@
+"""Command-line options built from the config dataclasses, so every tool speaks the same names.
+
+``add_config_args(parser, GenerationConfig, ["window", ...])`` adds ``--window`` with the field's
+help text and type; ``config_overrides(args, names)`` returns the values the user gave (options
+left out stay ``None`` and do not override anything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+from ..config import METHODS, SCHEDULES
+
+POLICY_FIELDS = ("draft_layer", "verify_layer", "window", "num_draft")
+SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "seed")
+CHOICES = {"method": METHODS, "schedule": SCHEDULES}
+ALIASES = {"do_sample": ["--sample"]}  # the name this CLI had before options came from the config
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base", default=None, help="Hub id, local directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--heads", default=None, help="adapter directory or Hub repo id with trained exit heads")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(t) for t in text.split(","))
+
+
+def _parser_type(tp: Any) -> Any:
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    if any(typing.get_origin(a) is tuple for a in args):
+        return _int_list
+    return args[0]
+
+
+def add_config_args(p: argparse.ArgumentParser, cls: type, names: typing.Iterable[str]) -> None:
+    """``--name`` options for these fields of the dataclass ``cls`` (default: not given)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for name in names:
+        f = fields[name]
+        flags = [f"--{name.replace('_', '-')}", *ALIASES.get(name, [])]
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if hints[name] is bool:
+            p.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            p.add_argument(*flags, dest=name, type=_parser_type(hints[name]), default=None, choices=CHOICES.get(name),
+                           help=help_text)
+
+
+def config_overrides(args: argparse.Namespace, names: typing.Iterable[str]) -> dict[str, Any]:
+    """The options among ``names`` that were given on the command line."""
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def method_variant(spec: str) -> dict[str, Any]:
+    """``method[:variant]`` (a benchmark's method spec) -> generation overrides: the variants
+    ``eager``/``gather`` set the batched verification schedule, ``full_vocab`` makes early exits
+    ignore the heads' reduced vocabularies."""
+    method, _, variant = spec.partition(":")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r} in {spec!r}; choose from {', '.join(METHODS)}")
+    if variant in SCHEDULES:
+        return {"method": method, "schedule": variant}
+    if variant == "full_vocab":
+        return {"method": method, "use_exit_vocab": False}
+    if variant:
+        raise ValueError(f"unknown method variant {variant!r} in {spec!r} (eager, gather, full_vocab)")
+    return {"method": method}

@@ -1,0 +1,3 @@
+"""The package version (recorded in every adapter this package writes)."""
+
+__version__ = "0.1.0"
