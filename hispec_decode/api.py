@@ -85,8 +85,7 @@ class HiSpecModel:
         roles = {}
         if self.adapter is not None:
             roles = {r: self.adapter.config.layer_for(r) for r in ("draft", "intermediate")}
-        return resolve_policy(config.method, self.num_layers, config.draft_layer, config.verify_layer, config.window,
-                              config.num_draft, roles)
+        return resolve_policy(config, self.num_layers, roles)
 
     def serve(self, generation_config: GenerationConfig | None = None, engine_config: EngineConfig | None = None,
               **overrides: Any) -> LLMEngine:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,13 @@ from conftest import save_char_tokenizer, save_tiny, write_conversations
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+
+def _free_port() -> str:
+    """A port nobody listens on now (fixed ports collide with sockets a previous run left in TIME_WAIT)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
 
 def _cfg(base: Path, data: Path, out: Path, **kw) -> object:
     keys = dict(base=str(base), dataset=str(data), heads_layers="1,3", seq_len=32, batch_size=4, max_steps=20,
@@ -172,7 +180,7 @@ def test_two_processes_train_the_same_heads_as_one(trainable_base, data_file, tm
     script = str(ROOT / "scripts" / "train_heads.py")
     subprocess.run([sys.executable, script, *common, "--batch-size", "4", "--output-dir", str(tmp_path / "one")],
                    check=True, env=env, capture_output=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
                     script, *common, "--batch-size", "2", "--output-dir", str(tmp_path / "two")],
                    check=True, env=env, capture_output=True)
     a = HiSpecAdapter.from_pretrained(tmp_path / "one" / "checkpoint").state_dict_flat()
@@ -187,7 +195,7 @@ def test_deepspeed_bf16_checkpoints_hold_fp32_master_weights(trainable_base, dat
     out = tmp_path / "bf16"
     done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                            str(ROOT / "recipes" / "accelerate" / "zero3.yaml"), "--num_processes", "1",
-                           "--mixed_precision", "bf16", "--main_process_port", "29536",
+                           "--mixed_precision", "bf16", "--main_process_port", _free_port(),
                            str(ROOT / "scripts" / "train_heads.py"), "--base", str(trainable_base), "--dataset",
                            str(data_file), "--heads-layers", "1,3", "--seq-len", "32", "--batch-size", "4",
                            "--max-steps", "3", "--eval-every", "3", "--save-every", "3", "--lr", "3e-3",
@@ -212,7 +220,7 @@ def test_deepspeed_step_and_resume_on_cpu(stage, trainable_base, data_file, tmp_
             "--report-to", "none", "--eval-batches", "1", "--output-dir", str(out)]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
               str(ROOT / "recipes" / "accelerate" / f"zero{stage}.yaml"), "--num_processes", "1",
-              "--mixed_precision", "no", "--main_process_port", str(29530 + stage), str(ROOT / "scripts" / "train_heads.py")]
+              "--mixed_precision", "no", "--main_process_port", _free_port(), str(ROOT / "scripts" / "train_heads.py")]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run([*launch, *args, "--max-steps", "4", "--lr", "3e-3"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -237,7 +245,7 @@ def test_zero3_shards_the_base_across_two_processes(trainable_base, tmp_path):
     pytest.importorskip("deepspeed")
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29535", str(ROOT / "tests" / "zero3_worker.py"), str(trainable_base), str(tmp_path)],
+                           _free_port(), str(ROOT / "tests" / "zero3_worker.py"), str(trainable_base), str(tmp_path)],
                           env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):

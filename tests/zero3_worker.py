@@ -22,22 +22,25 @@ def main(base_path: str, out_dir: str) -> None:
     rank = int(os.environ["RANK"])
     model = load_base(base_path, "float32").model
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
-    base = decoder_for(model, pack_weights=False)
+    decoder = decoder_for(model, pack_weights=False)
     inner = model.model
     ref_hidden, ref_final = base_forward(inner, ids, [1, 3])
-    ref_logits = base.final_logits(ref_final)
+    ref_logits = decoder.final_logits(ref_final)
     numel = sum(p.numel() for p in inner.parameters())
 
-    base.keep_exit(torch.device("cpu"))
+    decoder.keep_exit(torch.device("cpu"))
     engine = shard_base(inner, {}, model.config.hidden_size, batch_size=2)
     held = sum(p.ds_tensor.numel() for p in inner.parameters())
     hidden, final = base_forward(engine, ids, [1, 3])
     diff = max(float((a - b).abs().max()) for a, b in zip([*ref_hidden, ref_final], [*hidden, final]))
-    logits_diff = float((base.final_logits(final) - ref_logits).abs().max())  # through the kept exit copies
+    logits_diff = float((decoder.final_logits(final) - ref_logits).abs().max())  # through the kept exit copies
     report = {"held_fraction": held / numel, "max_diff": diff, "logits_diff": logits_diff,
               "partitioned": all(hasattr(p, "ds_id") for p in inner.parameters())}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
+    # leave together: a rank that exits while its peer still talks to it makes gloo abort the peer
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

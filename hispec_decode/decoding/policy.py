@@ -9,8 +9,12 @@ behind the defaults.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import HiSpecError
+
+if TYPE_CHECKING:
+    from ..config import GenerationConfig
 
 # Layers scale with depth: the draft exit at ~1/8, the intermediate exit at ~1/4 of the layers.
 DEFAULT_DRAFT_FRACTION = 1 / 8
@@ -31,12 +35,12 @@ class Policy:
     num_draft: int  # k (self_spec) or k_d (hispec): drafts per check
 
 
-def resolve_policy(method: str, num_layers: int, draft_layer: int | None = None, verify_layer: int | None = None,
-                   window: int | None = None, num_draft: int | None = None,
-                   roles: dict[str, int | None] | None = None) -> Policy:
-    """Fill in defaults (``roles``: the adapter's ``draft``/``intermediate`` layers) and check them."""
+def resolve_policy(config: GenerationConfig, num_layers: int, roles: dict[str, int | None] | None = None) -> Policy:
+    """Fill in what ``config`` leaves open (``roles``: the adapter's ``draft``/``intermediate``
+    layers, else fractions of the depth) and check the layers against the model."""
     roles = roles or {}
-    n = num_layers
+    n, method = num_layers, config.method
+    draft_layer, verify_layer, window, num_draft = config.draft_layer, config.verify_layer, config.window, config.num_draft
     if draft_layer is None:
         draft_layer = roles.get("draft") or max(1, round(n * DEFAULT_DRAFT_FRACTION))
     if verify_layer is None:

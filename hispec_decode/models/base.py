@@ -60,6 +60,8 @@ class DecoderModel(ABC):
         self.num_layers: int = self.config.num_hidden_layers
         self.vocab_size: int = self.config.vocab_size
         self.max_positions: int = self.config.max_position_embeddings
+        self.num_kv_heads: int = 0  # K/V heads per layer and their size: set by each family
+        self.head_dim: int = 0
         self.lm_head: nn.Module = model.get_output_embeddings()
         self.lm_head_kernel = FusedLinear([self.lm_head], pack_weights)
         self.kept_norm: dict[str, torch.Tensor] | None = None  # see keep_exit
@@ -125,14 +127,6 @@ class DecoderModel(ABC):
     @abstractmethod
     def exit_norm(self, h: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The final norm (with ``params`` if given, else the base's) and any projection to the LM head."""
-
-    @property
-    @abstractmethod
-    def num_kv_heads(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def head_dim(self) -> int: ...
 
     # -- shared ---------------------------------------------------------------------------
     def meta(self, cache: PagedKVCache, spans: list[tuple[int, int, int]]) -> AttentionMeta:

@@ -28,19 +28,11 @@ class LlamaModel(DecoderModel):
         super().__init__(model, pack_weights)
         self.inner = model.model
         self.layers = self.inner.layers
-        self._head_dim = self.layers[0].self_attn.head_dim
-        self._num_kv_heads = self.config.num_key_value_heads
+        self.head_dim = self.layers[0].self_attn.head_dim
+        self.num_kv_heads = self.config.num_key_value_heads
         rope_type = (getattr(self.config, "rope_parameters", None) or {}).get("rope_type", "default")
         self._static_rope = rope_type not in ("dynamic", "longrope")
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self._num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self._head_dim
 
     def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of positions 0..length-1, [1, 1, length, head_dim], computed by the model's
@@ -90,7 +82,7 @@ class LlamaModel(DecoderModel):
 
     def block(self, k: LayerKernels, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
               attn: AttentionFn) -> torch.Tensor:
-        layer, a, d = k.module, k.module.self_attn, self._head_dim
+        layer, a, d = k.module, k.module.self_attn, self.head_dim
         B, T = h.shape[:2]
         x = rms_norm(h, layer.input_layernorm)
         q, key, v = k.qkv(x)

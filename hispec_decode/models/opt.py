@@ -21,16 +21,8 @@ class OPTModel(DecoderModel):
         self.layers = self.inner.layers
         self.pre_ln = self.config.do_layer_norm_before
         self.project_out: nn.Module | None = self.inner.project_out  # hidden -> word_embed_proj_dim (OPT-350m)
-        self._num_heads = self.config.num_attention_heads
-        self._head_dim = self.config.hidden_size // self._num_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self._num_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self._head_dim
+        self.num_kv_heads = self.config.num_attention_heads
+        self.head_dim = self.config.hidden_size // self.num_kv_heads
 
     def embed(self, tokens: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         x = self.inner.embed_tokens(tokens[None])
@@ -53,7 +45,7 @@ class OPTModel(DecoderModel):
 
     def block(self, k: LayerKernels, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
               attn: AttentionFn) -> torch.Tensor:
-        layer, d = k.module, self._head_dim
+        layer, d = k.module, self.head_dim
         B, T = h.shape[:2]
         x = layer.self_attn_layer_norm(h) if self.pre_ln else h
         q, key, v = k.qkv(x)
