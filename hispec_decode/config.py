@@ -13,6 +13,7 @@ request; the others can differ per request.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,21 +54,32 @@ class GenerationConfig:
         default=True, metadata=_help("early exits predict over the heads' reduced vocabularies, where they have one"))
 
     def __post_init__(self) -> None:
-        if isinstance(self.eos_token_id, list):
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        for name in INT_FIELDS:  # numpy integers are integers; booleans are not
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, name, int(value))
+        eos = self.eos_token_id
+        if isinstance(eos, (list, tuple)) or (hasattr(eos, "tolist") and not isinstance(eos, numbers.Integral)):
+            items = eos.tolist() if hasattr(eos, "tolist") else list(eos)
+            object.__setattr__(self, "eos_token_id", tuple(items) if isinstance(items, list) else items)
+        elif isinstance(eos, numbers.Integral) and not isinstance(eos, bool):
+            object.__setattr__(self, "eos_token_id", int(eos))
         self.validate()
 
     def validate(self) -> None:
-        if self.method not in METHODS:
+        if not isinstance(self.method, str) or self.method not in METHODS:
             raise HiSpecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         _check_int("max_new_tokens", self.max_new_tokens, 1)
         for name in ("draft_layer", "verify_layer"):
             _check_int(name, getattr(self, name), None, optional=True)
         for name in ("window", "num_draft"):
             _check_int(name, getattr(self, name), 1, optional=True)
-        _check_int("seed", self.seed, None, optional=True)
+        _check_int("seed", self.seed, 0, optional=True)
+        if self.seed is not None and self.seed >= 2**63:
+            raise HiSpecError(f"seed must be below 2**63; got {self.seed}")
         eos = self.eos_token_id
-        if eos is not None and not all(_is_int(t) and t >= 0 for t in (eos if isinstance(eos, tuple) else (eos,))):
+        ids = eos if isinstance(eos, tuple) else (eos,)
+        if eos is not None and not all(_is_int(t) and t >= 0 for t in ids):
             raise HiSpecError(f"eos_token_id must be a token id >= 0 or a list of them; got {eos!r}")
         for name in ("do_sample", "use_exit_vocab"):
             if not isinstance(getattr(self, name), bool):
@@ -101,12 +113,17 @@ class EngineConfig:
         "when sequences waiting for the full model are verified: gather (wait so one pass verifies many) or eager"))
 
     def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, name, int(value))
         _check_int("num_blocks", self.num_blocks, 1, optional=True)
         _check_int("block_size", self.block_size, 1)
-        if self.schedule not in SCHEDULES:
+        if not isinstance(self.schedule, str) or self.schedule not in SCHEDULES:
             raise HiSpecError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
 
 
+INT_FIELDS = ("max_new_tokens", "top_k", "seed", "draft_layer", "verify_layer", "window", "num_draft")
 GENERATION_FIELDS = frozenset(f.name for f in dataclasses.fields(GenerationConfig))
 ENGINE_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 # fixed per server: every request of one server runs the same strategy and exits
@@ -124,7 +141,7 @@ def split_overrides(generation_config: GenerationConfig | None, engine_config: E
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_int(name: str, value: object, minimum: int | None, optional: bool = False) -> None:

@@ -1,15 +1,14 @@
 """Training checkpoints in safetensors + JSON only (heads, optimizer moments, step); no pickles.
 
-The latest checkpoint is written to a temporary directory and renamed into place, so a run
-killed mid-write keeps the previous one: a killed run loses at most one save interval.
+The latest checkpoint is written to a temporary sibling directory and swapped into place
+(:func:`hispec_decode.files.atomic_directory`), so a run killed mid-write keeps the previous one:
+a killed run loses at most one save interval.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hispec_decode.adapter import HiSpecAdapter
+from hispec_decode.errors import HiSpecError
+from hispec_decode.files import atomic_directory, clean_stale
 from hispec_decode.models import DecoderModel
 
 logger = logging.getLogger(__name__)
@@ -30,28 +31,30 @@ def save_checkpoint(run_dir: Path, adapter: HiSpecAdapter, optimizer: torch.opti
                     state: dict[str, Any]) -> Path:
     """Heads, optimizer moments unless ``optimizer`` is None (DeepSpeed keeps them in its own,
     pickled format, which we neither write nor read), and the trainer state."""
-    tmp = run_dir / (CHECKPOINT_DIR + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    adapter.save_pretrained(tmp)
-    if optimizer is None:
-        (tmp / STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True))
-        return _replace(run_dir, tmp)
-    opt = optimizer.state_dict()
-    tensors = {f"{idx}.{k}": v.detach().cpu().contiguous() for idx, s in opt["state"].items() for k, v in s.items()
-               if isinstance(v, torch.Tensor)}
-    save_file(tensors, str(tmp / OPTIMIZER_NAME))
-    (tmp / STATE_NAME).write_text(json.dumps(state | {"param_groups": opt["param_groups"]}, indent=2, sort_keys=True))
-    return _replace(run_dir, tmp)
-
-
-def _replace(run_dir: Path, tmp: Path) -> Path:
     final = run_dir / CHECKPOINT_DIR
-    old = run_dir / (CHECKPOINT_DIR + ".old")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    with atomic_directory(final) as tmp:
+        adapter.save_pretrained(tmp)
+        if optimizer is not None:
+            opt = optimizer.state_dict()
+            tensors = {f"{idx}.{k}": v.detach().cpu().contiguous() for idx, s in opt["state"].items()
+                       for k, v in s.items() if isinstance(v, torch.Tensor)}
+            save_file(tensors, str(tmp / OPTIMIZER_NAME))
+            state = state | {"param_groups": opt["param_groups"]}
+        (tmp / STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True))
     return final
+
+
+def checkpoint_step(run_dir: Path) -> int | None:
+    """The step of ``run_dir``'s checkpoint, or None when it holds none (a crashed save's
+    leftovers are cleaned up, or restored if they hold the only copy)."""
+    path = run_dir / CHECKPOINT_DIR
+    clean_stale(path)
+    if not (path / STATE_NAME).is_file():
+        return None
+    try:
+        return int(json.loads((path / STATE_NAME).read_text())["step"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise HiSpecError(f"{path / STATE_NAME} is damaged ({exc}); start again with --overwrite") from exc
 
 
 def load_heads(run_dir: Path, adapter: HiSpecAdapter, decoder: DecoderModel | None = None) -> dict[str, Any] | None:

@@ -2,8 +2,10 @@
 
     accelerate launch scripts/train_heads.py --recipe recipes/smollm2-135m.yaml [--key value ...]
 
-Every key of :class:`hispec_train.config.TrainConfig` can be given as ``--key value`` (dashes or
-underscores); command-line values override the recipe's.
+Every key of :class:`hispec_train.config.TrainConfig` can be given as ``--key value`` or
+``--key=value`` (dashes or underscores in the key); command-line values override the recipe's.
+A run directory that holds a checkpoint needs ``--resume`` (continue) or ``--overwrite`` (start
+again); ``--debug`` shows tracebacks.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import sys
 
 from hispec_decode.errors import HiSpecError
+from hispec_decode.tools.cli import run_cli
 
 from .config import load_config, parse_overrides
 
@@ -25,20 +28,21 @@ def main(argv: list[str] | None = None) -> int:
         print("keys (in a recipe as key: value, on the command line as --key value):")
         print(TrainConfig.help())
         return 0
-    recipe = None
-    if "--recipe" in argv:
-        i = argv.index("--recipe")
-        recipe = argv[i + 1]
-        del argv[i : i + 2]
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        cfg = load_config(recipe, parse_overrides(argv))
-        from .trainer import train
+    return run_cli("hispec-train", lambda: _run(argv), debug)
 
-        run_dir = train(cfg)
-    except HiSpecError as exc:
-        print(f"hispec-train: error: {exc}", file=sys.stderr)
-        return 2
+
+def _run(argv: list[str]) -> int:
+    overrides = parse_overrides(argv)
+    recipe = overrides.pop("recipe", None)
+    if recipe == "true":
+        raise HiSpecError("--recipe needs a path")
+    cfg = load_config(recipe, overrides)
+    from .trainer import train
+
+    run_dir = train(cfg)
     print(f"run directory: {run_dir} (export with: hispec-export {run_dir} --out DIR)")
     return 0
 

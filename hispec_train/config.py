@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,7 @@ class TrainConfig:
     seed: int = _key(0, "seed of the data order and the held-out split")
     output_dir: str = _key("runs/hispec-heads", "run directory (checkpoints, eval report, TensorBoard logs)")
     resume: bool = _key(False, "continue from the run directory's checkpoint")
+    overwrite: bool = _key(False, "start again from step 0 in a run directory that holds a checkpoint")
     report_to: str = _key("tensorboard", "tensorboard or none")
 
     def validate(self) -> None:
@@ -66,18 +68,36 @@ class TrainConfig:
         layers = self.heads_layers
         if not layers or any(b <= a for a, b in zip(layers, layers[1:])) or layers[0] < 1:
             raise HiSpecError(f"heads_layers must be increasing layer indices >= 1; got {layers}")
-        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "save_every", "chunk_size", "window"):
+        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "save_every",
+                     "chunk_size", "window"):
             if getattr(self, name) < 1:
                 raise HiSpecError(f"{name} must be >= 1; got {getattr(self, name)}")
+        for name in ("warmup_steps", "exit_vocab_size", "seed"):
+            if getattr(self, name) < 0:
+                raise HiSpecError(f"{name} must be >= 0; got {getattr(self, name)}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise HiSpecError(f"max_tokens must be >= 1 or none (all); got {self.max_tokens}")
         if not 0 < self.eval_fraction < 1:
             raise HiSpecError(f"eval_fraction must be in (0, 1); got {self.eval_fraction}")
-        if not self.lr > 0:
-            raise HiSpecError(f"lr must be > 0; got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise HiSpecError(f"lr must be a finite number > 0; got {self.lr}")
+        if not 0 < self.kd_temperature < math.inf:
+            raise HiSpecError(f"kd_temperature must be a finite number > 0; got {self.kd_temperature}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise HiSpecError(f"weight_decay must be a finite number >= 0; got {self.weight_decay}")
         if not 0 <= self.ce_weight <= 1:
             raise HiSpecError(f"ce_weight must be in [0, 1]; got {self.ce_weight}")
-        parse_dtype(self.base_dtype)
-        if self.exit_vocab_size < 0:
-            raise HiSpecError(f"exit_vocab_size must be >= 0 (0: the full vocabulary); got {self.exit_vocab_size}")
+        for name, allowed in (("mixed_precision", ("no", "bf16", "fp16")), ("report_to", ("tensorboard", "none"))):
+            if getattr(self, name) not in allowed:
+                raise HiSpecError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if not self.dataset or not self.output_dir:
+            raise HiSpecError("dataset and output_dir must not be empty")
+        if self.resume and self.overwrite:
+            raise HiSpecError("resume and overwrite exclude each other: continue a run, or start it again")
+        try:
+            parse_dtype(self.base_dtype)
+        except HiSpecError as exc:
+            raise HiSpecError(f"base_dtype: {exc}") from None
 
     def check_layers(self, num_layers: int) -> None:
         bad = [l for l in self.heads_layers if l >= num_layers]
@@ -103,28 +123,42 @@ class TrainConfig:
 
 
 def _coerce(name: str, tp: Any, value: Any) -> Any:
-    """Convert a command-line string (or a YAML value) to the field's type."""
+    """A command-line string or a YAML value as the key's type; anything else fails naming the key."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args):
-        return None
     if type(None) in args:  # Optional[X]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
         tp = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(tp), typing.get_args(tp)
     try:
         if origin is list:
-            items = value.split(",") if isinstance(value, str) else list(value)
+            if not isinstance(value, (str, list)):
+                raise TypeError("expected a list or comma-separated values")
+            items = value.split(",") if isinstance(value, str) else value
             return [_coerce(name, args[0], v) for v in items]
         if origin is dict:
-            return json.loads(value) if isinstance(value, str) else dict(value)
+            value = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(value, dict):
+                raise TypeError("expected a mapping (JSON object)")
+            return dict(value)
         if tp is bool:
-            if isinstance(value, str):
-                if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                    raise ValueError(value)
-                return value.lower() in ("1", "true", "yes")
-            return bool(value)
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in BOOLEAN_WORDS:
+                return BOOLEAN_WORDS[value.lower()]
+            raise TypeError("expected true or false")
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise TypeError(f"expected {tp.__name__}")
+        if tp is int and isinstance(value, float):
+            raise TypeError("expected an integer")
+        if tp is str and not isinstance(value, str):
+            raise TypeError("expected a string")
         return tp(value)
-    except (TypeError, ValueError, json.JSONDecodeError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise HiSpecError(f"bad value {value!r} for {name}: {exc}") from exc
+
+
+BOOLEAN_WORDS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
 def load_config(recipe: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
@@ -134,7 +168,10 @@ def load_config(recipe: str | Path | None, overrides: dict[str, Any]) -> TrainCo
         path = Path(recipe)
         if not path.is_file():
             raise HiSpecError(f"recipe {recipe} not found")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise HiSpecError(f"recipe {recipe} is not valid YAML: {exc}") from exc
         if not isinstance(data, dict):
             raise HiSpecError(f"recipe {recipe} must be a mapping of keys to values")
     data |= overrides
@@ -148,16 +185,16 @@ def load_config(recipe: str | Path | None, overrides: dict[str, Any]) -> TrainCo
 
 
 def parse_overrides(argv: list[str]) -> dict[str, Any]:
-    """``--key value`` / ``--flag`` pairs (dashes become underscores); values stay strings."""
+    """``--key value``, ``--key=value`` and ``--flag`` (dashes in keys become underscores); values stay strings."""
     out: dict[str, Any] = {}
     i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
             raise HiSpecError(f"unexpected argument {arg!r}; overrides look like --key value")
-        key = arg[2:].replace("-", "_")
-        if "=" in key:
-            key, value = key.split("=", 1)
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")  # in the key only: values (paths, numbers) stay as given
+        if eq:
             i += 1
         elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             value = argv[i + 1]

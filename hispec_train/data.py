@@ -67,7 +67,11 @@ def load_records(dataset: str) -> tuple[list[dict[str, Any]], int]:
         return list(ds), 0
     import datasets
 
-    return list(datasets.load_dataset(dataset, split="train")), 0
+    try:
+        return list(datasets.load_dataset(dataset, split="train")), 0
+    except Exception as exc:  # network, auth, a name that is no data set: datasets raises many types
+        raise HiSpecError(f"cannot load dataset {dataset!r} from the Hub ({type(exc).__name__}: {exc}); use sharegpt, "
+                          f"a local .json/.jsonl/.parquet/.txt file or a reachable Hub data set") from exc
 
 
 def to_messages(record: dict[str, Any]) -> list[dict[str, str]] | str | None:

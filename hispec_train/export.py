@@ -1,18 +1,21 @@
-"""``hispec-export RUN_DIR --out DIR [--exit-vocab K] [--push-to-hub REPO_ID] [--private] [--revision R]``.
+"""``hispec-export RUN_DIR --out DIR [--exit-vocab-size K] [--overwrite] [--push-to-hub REPO_ID] [--private] [--revision R]``.
 
 Writes the adapter of a training run (config, heads-only safetensors) plus a ``README.md``
 model card with the base, its fingerprint, the exits, the training data and steps, and the
-measured agreement table; optionally uploads the directory to the Hub. ``--exit-vocab K``
+measured agreement table; optionally uploads the directory to the Hub. ``--exit-vocab-size K``
 restricts the early exits to the K most frequent tokens of the run's training data (no
 retraining: the heads are trained on the full vocabulary) and measures the held-out agreement
 with that vocabulary for the card.
+
+``--out`` is written atomically (a temporary sibling swapped into place). It may be new, empty or
+a previous export; a directory holding anything else is refused unless ``--overwrite`` is given,
+and the run directory itself (or anything inside or around it) always is.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,9 +27,11 @@ from hispec_decode.models import decoder_for
 from hispec_decode.layers.exit_heads import head_class
 from hispec_decode.models import LoadedBase, load_base
 from hispec_decode.errors import HiSpecError
+from hispec_decode.files import atomic_directory, check_writable
+from hispec_decode.tools.cli import add_debug_arg, non_negative_int, run_cli
 from hispec_decode.adapter import fingerprint_id
 
-from .checkpoint import CHECKPOINT_DIR, STATE_NAME
+from .checkpoint import CHECKPOINT_DIR, STATE_NAME, checkpoint_step
 from .config import TrainConfig, load_config
 from .data import build_dataset
 from .report import EVAL_NAME
@@ -109,10 +114,35 @@ def restrict_vocab(adapter: HiSpecAdapter, cfg: TrainConfig, loaded: LoadedBase,
     return {"size": size, "coverage": vocab.coverage, "agreement": rates}
 
 
-def export(run_dir: Path, out: Path, exit_vocab_size: int = 0) -> HiSpecAdapter:
+EXPORT_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME, MODEL_CARD_NAME})
+
+
+def check_out_dir(run_dir: Path, out: Path, overwrite: bool = False) -> None:
+    """``out`` may be new, empty, or a previous export; anything else needs ``overwrite``, and it
+    may never be the run directory, inside it, or hold it."""
+    run, dest = run_dir.resolve(), out.resolve()
+    if dest == run or run in dest.parents or dest in run.parents:
+        raise HiSpecError(f"--out {out} would overlap the run directory {run_dir}; export somewhere else")
+    if dest.exists() and not dest.is_dir():
+        raise HiSpecError(f"--out {out} is a file; give a directory")
+    if dest == Path.cwd().resolve() or dest in Path.cwd().resolve().parents:
+        raise HiSpecError(f"--out {out} is the current directory or holds it; give a new or empty directory")
+    if dest.is_dir():
+        names = {p.name for p in dest.iterdir() if ".hispec-" not in p.name}
+        if names and not (CONFIG_NAME in names and names <= EXPORT_FILES) and not overwrite:
+            raise HiSpecError(f"--out {out} holds other files ({', '.join(sorted(names)[:3])}...); choose a new or "
+                              f"empty directory, or pass --overwrite to replace all of it")
+    check_writable(dest.parent, "the parent of --out")
+
+
+def export(run_dir: Path, out: Path, exit_vocab_size: int = 0, overwrite: bool = False) -> HiSpecAdapter:
+    """Write the run's heads (``run_dir/checkpoint``) to ``out`` as an adapter with a model card,
+    atomically: ``out`` holds the previous export or the new one, never a mixture."""
     checkpoint = run_dir / CHECKPOINT_DIR
+    checkpoint_step(run_dir)  # clean up (or restore) what a killed save left
     if not (checkpoint / CONFIG_NAME).is_file():
         raise HiSpecError(f"{run_dir} holds no finished checkpoint ({checkpoint} is missing)")
+    check_out_dir(run_dir, out, overwrite)
     cfg = _run_config(run_dir)
     # heads built on a base layer (decoder_block) are rebuilt on the run's base; --exit-vocab-size needs its tokenizer
     block_heads = any(head_class(e.head_type).has_cache for e in HiSpecAdapterConfig.from_pretrained(checkpoint).exits)
@@ -125,12 +155,9 @@ def export(run_dir: Path, out: Path, exit_vocab_size: int = 0) -> HiSpecAdapter:
         report["exit_vocab"] = restrict_vocab(adapter, cfg, loaded, exit_vocab_size)
     steps = json.loads((checkpoint / STATE_NAME).read_text())["step"]
     adapter.config.training["steps"] = steps
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    adapter.save_pretrained(tmp)
-    (tmp / MODEL_CARD_NAME).write_text(model_card(adapter, report, steps))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with atomic_directory(out) as tmp:
+        adapter.save_pretrained(tmp)
+        (tmp / MODEL_CARD_NAME).write_text(model_card(adapter, report, steps))
     return adapter
 
 
@@ -138,17 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hispec-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--exit-vocab-size", "--exit-vocab", type=int, default=0, metavar="K",
+    p.add_argument("--exit-vocab-size", "--exit-vocab", type=non_negative_int, default=0, metavar="K",
                    help="restrict the early exits to the K most frequent training tokens (measured for the card)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even when it holds files other than a previous export")
     p.add_argument("--push-to-hub", metavar="REPO_ID", default=None)
     p.add_argument("--private", action="store_true")
     p.add_argument("--revision", default=None)
+    add_debug_arg(p)
     args = p.parse_args(argv)
-    try:
-        adapter = export(args.run_dir, args.out, args.exit_vocab_size)
-    except HiSpecError as exc:
-        print(f"hispec-export: error: {exc}", file=sys.stderr)
-        return 2
+    return run_cli("hispec-export", lambda: _run(args), args.debug)
+
+
+def _run(args: argparse.Namespace) -> int:
+    adapter = export(args.run_dir, args.out, args.exit_vocab_size, args.overwrite)
     print(f"wrote {args.out}: {CONFIG_NAME}, {WEIGHTS_NAME}, {MODEL_CARD_NAME}")
     if args.push_to_hub:
         url = adapter.push_to_hub(args.push_to_hub, private=args.private, revision=args.revision, local_dir=args.out)

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hispec_decode.files import atomic_file, write_text
+
 from .config import TrainConfig
 
 EVAL_NAME = "eval.json"
@@ -15,7 +17,7 @@ PLOT_NAME = "agreement.png"
 def write_eval_report(run_dir: Path, cfg: TrainConfig, untrained: dict[str, float], history: list[dict[str, Any]]) -> None:
     report = {"heads_layers": cfg.heads_layers, "head_type": cfg.head_type, "window": cfg.window,
               "untrained": untrained, "history": history}
-    (run_dir / EVAL_NAME).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    write_text(run_dir / EVAL_NAME, json.dumps(report, indent=2, sort_keys=True) + "\n")
     plot_agreement(report, run_dir / PLOT_NAME)
 
 
@@ -45,5 +47,6 @@ def plot_agreement(report: dict[str, Any], path: Path) -> None:
     ax2.set_title("agreement during training")
     ax2.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)

@@ -21,11 +21,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from hispec_decode.adapter import ExitSpec, HiSpecAdapter
+from hispec_decode.errors import HiSpecError
+from hispec_decode.files import check_writable, write_text
 from hispec_decode.models import DecoderModel, decoder_for
 from hispec_decode.layers.exit_heads import BaseExitHead
 from hispec_decode.models import load_base
 
-from .checkpoint import load_heads, load_optimizer, save_checkpoint
+from .checkpoint import checkpoint_step, load_heads, load_optimizer, save_checkpoint
 from .config import TrainConfig
 from .data import build_dataset
 from .distill import Agreement, LossConfig, agreement, distillation_loss, expected_accepted
@@ -103,8 +105,24 @@ def evaluate(cfg: TrainConfig, decoder: DecoderModel, inner: nn.Module, heads: d
     return rates
 
 
+def check_run_dir(cfg: TrainConfig) -> None:
+    """Never overwrite a run by accident: a directory with a checkpoint needs ``resume`` (continue)
+    or ``overwrite`` (start again); ``resume`` needs a checkpoint."""
+    run_dir = Path(cfg.output_dir)
+    step = checkpoint_step(run_dir)
+    if cfg.resume and step is None:
+        raise HiSpecError(f"--resume: {run_dir} holds no checkpoint to resume from (drop --resume to start a new run)")
+    if step is not None and not cfg.resume and not cfg.overwrite:
+        raise HiSpecError(f"{run_dir} already holds a checkpoint (step {step}); pass --resume to continue it or "
+                          f"--overwrite to start again from step 0")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise HiSpecError(f"output_dir {run_dir} is a file, not a directory")
+    check_writable(run_dir, "output_dir")
+
+
 def train(cfg: TrainConfig) -> Path:
     run_dir = Path(cfg.output_dir)
+    check_run_dir(cfg)  # before minutes of loading
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=cfg.mixed_precision,
                               log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=str(run_dir))
     set_seed(cfg.seed)
@@ -121,7 +139,7 @@ def train(cfg: TrainConfig) -> Path:
     data = build_dataset(cfg.dataset, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.eval_fraction, cfg.seed)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+        write_text(run_dir / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
         logger.info("data: %d train blocks, %d held-out blocks of %d tokens", len(data.train), len(data.eval), cfg.seq_len)
 
     # the heads, initialised to reproduce the base's own exits (or restored from a checkpoint) -

@@ -12,11 +12,14 @@ import dataclasses
 import json
 import logging
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import AdapterError, FingerprintMismatchError
+from ..files import write_text
 from ..version import __version__
 from .fingerprint import fingerprint_id, fingerprints_match
 
@@ -72,7 +75,7 @@ class HiSpecAdapterConfig:
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         path = Path(directory) / CONFIG_NAME
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
         return path
 
     @classmethod
@@ -88,16 +91,19 @@ class HiSpecAdapterConfig:
 
     # -- checks ----------------------------------------------------------------------------
     def validate(self) -> None:
+        for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+            if getattr(self, key) < 1:
+                raise AdapterError(f"adapter config key {key!r} must be >= 1; got {getattr(self, key)}")
         layers = [e.layer for e in self.exits]
         if len(set(layers)) != len(layers):
             raise AdapterError(f"duplicate exit layers {layers}")
         for e in self.exits:
-            if not isinstance(e.layer, int) or not 1 <= e.layer < self.num_hidden_layers:
+            if not 1 <= e.layer < self.num_hidden_layers:
                 raise AdapterError(f"exit layer {e.layer!r} out of range 1..{self.num_hidden_layers - 1}")
             if e.role not in ROLES:
                 raise AdapterError(f"exit at layer {e.layer}: unknown role {e.role!r} (roles: {', '.join(ROLES)})")
             size = e.exit_vocab_size
-            if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size < self.vocab_size:
+            if not 0 <= size < self.vocab_size:
                 raise AdapterError(f"exit at layer {e.layer}: exit_vocab_size must be an integer in "
                                    f"0..{self.vocab_size - 1} (0: the full vocabulary); got {size!r}")
         for role in ("draft", "intermediate"):
@@ -138,7 +144,7 @@ def _missing(key: str) -> Any:
 
 
 def _strict(cls: type, data: dict[str, Any], where: str) -> Any:
-    """Build a dataclass: unknown keys warn, missing required keys fail."""
+    """Build a dataclass: unknown keys warn, missing required keys and values of the wrong type fail."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in sorted(set(data) - set(fields)):
         logger.warning("ignoring unknown key %r in adapter %s", key, where)
@@ -146,4 +152,30 @@ def _strict(cls: type, data: dict[str, Any], where: str) -> Any:
     for key in required:
         if key not in data:
             raise AdapterError(f"adapter {where} is missing required key {key!r}")
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        if key in fields and key != "exits" and not _is_a(value, hints[key]):
+            raise AdapterError(f"adapter {where} key {key!r} must be {_describe(hints[key])}; got {value!r:.80}")
     return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+def _is_a(value: Any, tp: Any) -> bool:
+    """Whether a JSON value fits a type hint (str, int, lists, dicts, optionals, Any)."""
+    if tp is Any:
+        return True
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, a) for a in args)
+    if tp is type(None):
+        return value is None
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, list) and all(_is_a(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_is_a(k, args[0]) and _is_a(v, args[1]) for k, v in value.items())
+    return isinstance(value, tp)
+
+
+def _describe(tp: Any) -> str:
+    return str(tp).replace("typing.", "") if typing.get_origin(tp) else getattr(tp, "__name__", str(tp))

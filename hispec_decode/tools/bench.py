@@ -25,7 +25,11 @@ from ..config import GenerationConfig
 from ..data.prompts import CHAT_PROMPTS, encode_prompt, prompt_set
 from ..engine.model_runner import BandRequest
 from ..engine.sequence import Counters, Sequence
+from ..errors import HiSpecError
+from ..files import write_text
+from ..models.loading import parse_dtype
 from .args import POLICY_FIELDS, add_config_args, add_model_args, config_overrides, method_variant
+from .cli import add_debug_arg, positive_int, positive_int_list, run_cli
 
 logger = logging.getLogger(__name__)
 METHODS = ("transformers", "autoregressive", "self_spec", "hispec")
@@ -166,40 +170,58 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated methods, each optionally METHOD:VARIANT: full_vocab (early exits ignore the "
                         "heads' reduced vocabulary), eager or gather (batched verification policy)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=len(CHAT_PROMPTS))
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--num-prompts", type=positive_int, default=len(CHAT_PROMPTS))
     p.add_argument("--prompts", default="builtin", choices=["builtin", "sharegpt", "humaneval", "mixed"],
                    help="prompt set: built-in chat prompts, ShareGPT first turns, HumanEval problems, or half/half")
     p.add_argument("--json", type=Path, default=None, help="write the numbers to this file")
     p.add_argument("--sweep", type=Path, nargs="?", const=Path("docs"), default=None, metavar="DIR",
                    help="sweep hispec/self_spec policies instead (JSON, table and plot per dtype to DIR, default docs/)")
-    p.add_argument("--batch-sizes", default=None, metavar="B1,B2,...",
+    p.add_argument("--batch-sizes", type=positive_int_list, default=None, metavar="B1,B2,...",
                    help="batched throughput at these batch sizes instead (e.g. 1,2,4,8,16; prompts: max(B) unless "
                         "--num-prompts is given)")
     p.add_argument("--schedule", default="gather", choices=["eager", "gather"],
                    help="batched full-verification schedule (see hispec_decode.engine.scheduler); a method may also "
                         "name its own, e.g. --methods autoregressive,hispec:eager,hispec:gather")
-    p.add_argument("--max-batches", type=int, default=None,
+    p.add_argument("--max-batches", type=positive_int, default=None,
                    help="batched mode: decode at most this many batches per batch size (shorter runs)")
     add_config_args(p, GenerationConfig, POLICY_FIELDS)
+    add_debug_arg(p)
     args = p.parse_args(argv)
-    for spec in (m for m in args.methods.split(",") if m and m != "transformers"):
+    methods = [m for m in args.methods.split(",") if m]
+    if not methods:
+        p.error("--methods names no method")
+    for spec in methods:
         try:  # before minutes of model loading
-            method_variant(spec)
+            if spec != "transformers":
+                method_variant(spec)
         except ValueError as exc:
             p.error(str(exc))
+    for dtype in args.dtypes.split(","):
+        try:
+            parse_dtype(dtype)
+        except HiSpecError as exc:
+            p.error(f"--dtypes: {exc}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run_cli("hispec-bench", lambda: _run(args, p.get_default("num_prompts")), args.debug)
+
+
+def _run(args: argparse.Namespace, default_num_prompts: int) -> int:
+    bench_config(args)  # policy values checked before loading
     if args.sweep is not None:
         return _sweep(args)
     if args.batch_sizes is not None:
-        return _batched(args, p.get_default("num_prompts"))
+        return _batched(args, default_num_prompts)
     results = run_benchmark(args)
     print(format_table(results))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, results)
     return 0
+
+
+def write_json(path: Path | None, results: dict[str, Any]) -> None:
+    if path is not None:
+        write_text(path, json.dumps(results, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {path}")
 
 
 def bench_config(args: argparse.Namespace) -> GenerationConfig:
@@ -226,7 +248,7 @@ def _batched(args: argparse.Namespace, default_num_prompts: int) -> int:
     from ..api import HiSpecModel
     from .bench_batch import format_batched, run_batched
 
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    sizes = args.batch_sizes
     num_prompts = max(sizes) if args.num_prompts == default_num_prompts else args.num_prompts
     results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "schedule": args.schedule,
                                "num_prompts": num_prompts, "max_batches": args.max_batches, "dtypes": {}}
@@ -237,10 +259,7 @@ def _batched(args: argparse.Namespace, default_num_prompts: int) -> int:
         res = run_batched(model, prompts, sizes, bench_config(args), methods, args.schedule, args.max_batches)
         results["dtypes"][dtype] = res
         print(format_batched(res, dtype))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, results)
     return 0
 
 

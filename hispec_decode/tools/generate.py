@@ -12,6 +12,7 @@ from ..config import EngineConfig, GenerationConfig
 from ..data.prompts import encode_prompt
 from ..errors import HiSpecError
 from .args import add_config_args, add_model_args, config_overrides
+from .cli import add_debug_arg, run_cli
 
 GENERATION_ARGS = [f.name for f in dataclasses.fields(GenerationConfig)]
 ENGINE_ARGS = [f.name for f in dataclasses.fields(EngineConfig)]
@@ -33,32 +34,49 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="a file with one prompt per line")
-    src.add_argument("--prompt-ids", help="space-separated token ids (for bases without a tokenizer)")
+    src.add_argument("--prompt-ids", type=_prompt_ids, help="space-separated token ids (for bases without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="render prompts with the tokenizer's chat template")
     add_config_args(p, GenerationConfig, GENERATION_ARGS)
     add_config_args(p, EngineConfig, ENGINE_ARGS)
+    add_debug_arg(p)
     p.set_defaults(max_new_tokens=128)
     return p
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes space-separated integers; got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run_cli("hispec-generate", lambda: _run(args), args.debug)
+
+
+def _run(args: argparse.Namespace) -> int:
     from ..api import HiSpecModel
 
-    try:
-        model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype)
-        if args.prompt_ids is not None:
-            rows = [[int(t) for t in args.prompt_ids.split()]]
-        else:
-            if model.tokenizer is None:
-                raise HiSpecError("this base has no tokenizer: pass --prompt-ids")
-            texts = [args.prompt] if args.prompt is not None else [l for l in args.prompt_file.read_text().splitlines() if l.strip()]
-            rows = [encode_prompt(model.tokenizer, t, chat=args.chat) for t in texts]
-        out = model.generate(rows, **config_overrides(args, GENERATION_ARGS + ENGINE_ARGS))
-    except (HiSpecError, OSError) as exc:
-        print(f"hispec-generate: error: {exc}", file=sys.stderr)
-        return 2
+    overrides = config_overrides(args, GENERATION_ARGS + ENGINE_ARGS)
+    GenerationConfig().update(**{k: v for k, v in overrides.items() if k in GENERATION_ARGS})  # checked before loading
+    EngineConfig(**{k: v for k, v in overrides.items() if k in ENGINE_ARGS})
+    texts = None
+    if args.prompt is not None:
+        texts = [args.prompt]
+    elif args.prompt_file is not None:
+        texts = [line for line in args.prompt_file.read_text().splitlines() if line.strip()]
+        if not texts:
+            raise HiSpecError(f"--prompt-file {args.prompt_file} holds no prompt")
+    model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype)
+    if texts is None:
+        rows = [args.prompt_ids]
+    else:
+        if model.tokenizer is None:
+            raise HiSpecError("this base has no tokenizer: pass --prompt-ids")
+        rows = [encode_prompt(model.tokenizer, t, chat=args.chat) for t in texts]
+    out = model.generate(rows, **overrides)
     for seq in out.sequences:
         print(model.tokenizer.decode(seq, skip_special_tokens=True) if model.tokenizer is not None else " ".join(map(str, seq)))
         print("-" * 40)

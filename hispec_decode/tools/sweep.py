@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ..config import GenerationConfig
 from ..decoding.policy import Policy
+from ..files import atomic_file, write_text
 
 HISPEC_DRAFTS = (1, 2, 3, 4)
 HISPEC_WINDOWS = (2, 3, 4, 6, 8)
@@ -74,14 +75,13 @@ def run_sweep(model, policy: Policy, prompts: list[list[int]], max_new_tokens: i
 
 
 def write_sweep(rows: list[dict[str, Any]], out_dir: Path, tag: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"sweep-{tag}.json").write_text(json.dumps(rows, indent=2, sort_keys=True) + "\n")
+    write_text(out_dir / f"sweep-{tag}.json", json.dumps(rows, indent=2, sort_keys=True) + "\n")
     lines = ["| configuration | tokens/s | × autoregressive | accepted at L_i | accepted at L_f |", "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: -r["speedup_vs_autoregressive"]):
         pct = lambda x: "–" if x is None else f"{100 * x:.1f}%"  # noqa: E731
         lines.append(f"| {r['config']} | {r['tokens_per_second']:.1f} | {r['speedup_vs_autoregressive']:.2f} | "
                      f"{pct(r['acceptance_intermediate'])} | {pct(r['acceptance_final'])} |")
-    (out_dir / f"sweep-{tag}.md").write_text("\n".join(lines) + "\n")
+    write_text(out_dir / f"sweep-{tag}.md", "\n".join(lines) + "\n")
     _plot(rows, out_dir / f"sweep-{tag}.png", tag)
 
 
@@ -115,5 +115,6 @@ def _plot(rows: list[dict[str, Any]], path: Path, tag: str) -> None:
     ax2.set_title("self_spec")
     ax2.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)

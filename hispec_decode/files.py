@@ -1,0 +1,160 @@
+"""Writing files so that a crash at any moment loses nothing: temporaries, atomic renames, clean-up.
+
+Everything HiSpec writes (adapters, exports, training checkpoints, the model cache, benchmark
+results) goes through two primitives:
+
+* :func:`atomic_file`: write ``path`` through a temporary sibling, then ``os.replace`` it in;
+* :func:`atomic_directory`: build a directory in a temporary sibling, then swap it in; an
+  existing target is exchanged atomically (Linux ``renameat2(RENAME_EXCHANGE)``), elsewhere
+  moved aside first and restored by the next writer if a crash fell in between.
+
+Temporaries are named ``.<target>.hispec-<kind>-<pid>-<random>`` beside their target, so the next
+writer recognises what a killed process left (its pid is gone) and removes it, or restores it
+(``old``: the previous version of a target that is missing); it never touches anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+MARK = ".hispec-"
+DIR_MODE = 0o755
+
+
+def _tmp_path(target: Path, kind: str) -> Path:
+    return target.parent / f".{target.name}{MARK}{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _owner(path: Path, target: Path) -> tuple[str, int] | None:
+    """``(kind, pid)`` of a temporary of ``target``, or None if ``path`` is not one."""
+    prefix = f".{target.name}{MARK}"
+    if not path.name.startswith(prefix):
+        return None
+    try:
+        kind, pid, _ = path.name[len(prefix) :].split("-")
+        return kind, int(pid)
+    except ValueError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    """Best effort: what cannot be removed now is removed by the next writer."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def clean_stale(target: Path) -> None:
+    """Remove the temporaries of ``target`` that dead processes left; if ``target`` is missing
+    and a dead writer had moved its previous version aside, put that version back."""
+    if not target.parent.is_dir():
+        return
+    for path in sorted(target.parent.iterdir()):
+        owner = _owner(path, target)
+        if owner is None or _alive(owner[1]):
+            continue
+        if owner[0] == "old" and not target.exists():
+            with contextlib.suppress(OSError):  # unwritable: the next writer tries again
+                os.replace(path, target)
+        else:
+            _remove(path)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it replaces ``path`` in one rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(path)
+    tmp = _tmp_path(path, "new")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        _remove(tmp)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temporary directory beside ``target``; on success it becomes ``target``
+    (replacing what was there), on failure it is removed and ``target`` is untouched."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(target)
+    tmp = _tmp_path(target, "new")
+    tmp.mkdir(mode=DIR_MODE)
+    try:
+        yield tmp
+        if target.exists():
+            _swap_in(tmp, target)
+        else:
+            os.replace(tmp, target)
+    finally:
+        _remove(tmp)
+
+
+def _swap_in(new: Path, target: Path) -> None:
+    """Put ``new`` at ``target`` and delete what was there, never leaving ``target`` missing
+    where the platform allows it."""
+    if _exchange(new, target):  # new now holds the previous version
+        _remove(new)
+        return
+    old = _tmp_path(target, "old")
+    os.replace(target, old)  # a crash here leaves "old", which clean_stale restores
+    os.replace(new, target)
+    _remove(old)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 with RENAME_EXCHANGE); False where unsupported."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def check_writable(directory: str | os.PathLike, what: str) -> None:
+    """Fail at once (not after minutes of work) when ``directory`` cannot be created or written."""
+    from .errors import HiSpecError
+
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = _tmp_path(directory / "probe", "new")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise HiSpecError(f"{what} {directory} is not writable ({exc.strerror or exc})") from exc

@@ -1,0 +1,58 @@
+"""How every HiSpec command reports mistakes: exit status 2 and one line ``prog: error: ...``.
+
+User mistakes (a :class:`HiSpecError`, a file that cannot be read or written, a malformed value)
+never show a traceback unless ``--debug`` is given; unexpected internal errors still do. Ctrl-C
+exits with status 130 and one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from ..errors import HiSpecError
+
+USER_ERRORS = (HiSpecError, OSError)
+
+
+def add_debug_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", help="show the full traceback of errors")
+
+
+def run_cli(prog: str, run: Callable[[], int], debug: bool = False) -> int:
+    """Run a command's body, turning user mistakes into ``prog: error: ...`` and exit status 2."""
+    try:
+        return run()
+    except USER_ERRORS as exc:
+        if debug:
+            raise
+        message = str(exc) if isinstance(exc, HiSpecError) else f"{type(exc).__name__}: {exc}"
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def positive_int_list(text: str) -> list[int]:
+    """``1,2,4``: a comma-separated list of integers >= 1."""
+    return [positive_int(t) for t in text.split(",")]
+
+
+def _int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+    return value
