@@ -90,9 +90,16 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     tmp = _tmp_path(path, "new")
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())  # some writers (safetensors) create files readable by their owner only
         os.replace(tmp, path)
     finally:
         _remove(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
@@ -153,6 +160,7 @@ def check_writable(directory: str | os.PathLike, what: str) -> None:
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        clean_stale(directory / "probe")
         probe = _tmp_path(directory / "probe", "new")
         probe.write_bytes(b"")
         probe.unlink()

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from hispec_decode.adapter import HiSpecAdapter
 from hispec_decode.errors import HiSpecError
-from hispec_decode.files import atomic_directory, clean_stale
+from hispec_decode.files import atomic_directory, atomic_file, clean_stale
 from hispec_decode.models import DecoderModel
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ def save_checkpoint(run_dir: Path, adapter: HiSpecAdapter, optimizer: torch.opti
             opt = optimizer.state_dict()
             tensors = {f"{idx}.{k}": v.detach().cpu().contiguous() for idx, s in opt["state"].items()
                        for k, v in s.items() if isinstance(v, torch.Tensor)}
-            save_file(tensors, str(tmp / OPTIMIZER_NAME))
+            with atomic_file(tmp / OPTIMIZER_NAME) as path:
+                save_file(tensors, str(path))
             state = state | {"param_groups": opt["param_groups"]}
         (tmp / STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True))
     return final

@@ -171,7 +171,9 @@ def load_config(recipe: str | Path | None, overrides: dict[str, Any]) -> TrainCo
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise HiSpecError(f"recipe {recipe} is not valid YAML: {exc}") from exc
+            mark = getattr(exc, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            raise HiSpecError(f"recipe {recipe} is not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from exc
         if not isinstance(data, dict):
             raise HiSpecError(f"recipe {recipe} must be a mapping of keys to values")
     data |= overrides

@@ -161,7 +161,7 @@ def export(run_dir: Path, out: Path, exit_vocab_size: int = 0, overwrite: bool =
     return adapter
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", type=Path, required=True)
@@ -173,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--private", action="store_true")
     p.add_argument("--revision", default=None)
     add_debug_arg(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return run_cli("hispec-export", lambda: _run(args), args.debug)
 
 

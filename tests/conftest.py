@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,8 +97,6 @@ def save_char_tokenizer(directory: Path) -> None:
 
 
 def write_conversations(path: Path, n: int = 40) -> Path:
-    import json
-
     rows = []
     for i in range(n):
         q = f"What is {i} plus {i + 1}?"
@@ -114,3 +113,27 @@ def trainable_base(tmp_path_factory) -> Path:
     save_tiny("llama", path)
     save_char_tokenizer(path)
     return path
+
+
+def make_run_dir(run_dir: Path, base: Path, scale: float = 0.0, step: int = 3) -> Path:
+    """A training run directory as hispec-train leaves it (config + checkpoint), without training:
+    residual heads at layers 1 and 3 whose weights are ``scale`` times a fixed random matrix."""
+    from hispec_decode.adapter import ExitSpec, HiSpecAdapter
+    from hispec_decode.models import decoder_for, load_base
+    from hispec_train.checkpoint import save_checkpoint
+    from hispec_train.config import load_config
+    from hispec_train.trainer import CONFIG_NAME
+
+    decoder = decoder_for(load_base(str(base)).model, pack_weights=False)
+    adapter = HiSpecAdapter.create(decoder, str(base), [ExitSpec(1, "draft", "residual_linear"),
+                                                        ExitSpec(3, "intermediate", "residual_linear")])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in (1, 3):
+            w = adapter.head(layer).proj.weight
+            w.copy_(scale * torch.randn(w.shape, generator=g))
+    cfg = load_config(None, {"base": str(base), "output_dir": str(run_dir), "heads_layers": "1,3", "report_to": "none"})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), sort_keys=True))
+    save_checkpoint(run_dir, adapter, None, {"step": step})
+    return run_dir

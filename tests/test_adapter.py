@@ -127,7 +127,7 @@ def test_unknown_keys_warn_missing_keys_fail(saved_adapter, caplog):
         del broken[key]
         with pytest.raises(AdapterError, match=key):
             HiSpecAdapterConfig.from_dict(broken)
-    with pytest.raises(AdapterError, match="format version"):
+    with pytest.raises(AdapterError, match="format version \\(format_version\\)"):
         HiSpecAdapterConfig.from_dict(data | {"format_version": 99})
 
 

@@ -29,12 +29,12 @@ from conftest import save_char_tokenizer, save_tiny, write_conversations
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
 def _free_port() -> str:
     """A port nobody listens on now (fixed ports collide with sockets a previous run left in TIME_WAIT)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return str(sock.getsockname()[1])
+
 
 def _cfg(base: Path, data: Path, out: Path, **kw) -> object:
     keys = dict(base=str(base), dataset=str(data), heads_layers="1,3", seq_len=32, batch_size=4, max_steps=20,

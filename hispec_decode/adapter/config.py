@@ -126,9 +126,9 @@ class HiSpecAdapterConfig:
 def _migrate(data: dict[str, Any]) -> dict[str, Any]:
     """Bring an older format's keys up to :data:`FORMAT_VERSION`."""
     version = data.get("format_version", FORMAT_VERSION)
-    if version not in READABLE_FORMATS:
-        raise AdapterError(f"adapter format version {version!r} is not supported (this HiSpec reads "
-                           f"{', '.join(map(str, READABLE_FORMATS))})")
+    if isinstance(version, bool) or version not in READABLE_FORMATS:
+        raise AdapterError(f"adapter format version (format_version) {version!r} is not supported (this HiSpec "
+                           f"reads {', '.join(map(str, READABLE_FORMATS))})")
     if version == 1:
         exits = data.get("exits")
         if isinstance(exits, list):

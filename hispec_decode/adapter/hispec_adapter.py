@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import AdapterError
 from ..files import atomic_file
 from ..layers.exit_heads import ExitHead, build_head, check_vocab, head_class
-from .config import CONFIG_NAME, FORMAT_VERSION, MODEL_CARD_NAME, WEIGHTS_NAME, ExitHeadConfig, HiSpecAdapterConfig
+from .config import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, ExitHeadConfig, HiSpecAdapterConfig
 from .fingerprint import compute_fingerprint
 
 if TYPE_CHECKING:
@@ -84,8 +84,9 @@ class HiSpecAdapter(nn.Module):
                 check_vocab(head.vocab, self.config.vocab_size, f"exit vocabulary of layer {e.layer}")
             e.shapes = {k: list(v.shape) for k, v in head.state_dict().items()}
             e.exit_vocab_size = 0 if head.vocab is None else head.vocab.numel()
-        with atomic_file(out / WEIGHTS_NAME) as tmp:  # fixed metadata: the same heads give the same bytes
-            save_file(self.state_dict_flat(), str(tmp), metadata={"format": "pt", "hispec_format_version": str(FORMAT_VERSION)})
+        # one metadata key: safetensors orders several at random, and the same heads must give the same bytes
+        with atomic_file(out / WEIGHTS_NAME) as tmp:
+            save_file(self.state_dict_flat(), str(tmp), metadata={"format": "pt"})
         self.config.save_pretrained(out)
         return out
 

@@ -73,7 +73,7 @@ class LLMEngine:
         manager = self.cache.manager
         if manager.blocks_for(limit) > manager.num_blocks:
             raise OutOfBlocksError(
-                f"a request of {len(row)} prompt tokens and up to {limit - len(row)} new ones cannot fit a KV "
+                f"a request of {len(row)} prompt tokens and up to {limit - len(row)} new ones (max_new_tokens) cannot fit a KV "
                 f"cache of {manager.num_blocks} blocks of {manager.block_size} tokens; raise num_blocks"
             )
         rid = next(self._ids)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.kv_cache import PagedKVCache
+from ..errors import HiSpecError
 from ..layers.attention import AttentionMeta, attend, build_meta
 from ..layers.linear import FusedLinear
 
@@ -197,5 +199,21 @@ class DecoderModel(ABC):
 
     def new_cache(self, num_blocks: int, block_size: int, extra_layers: int = 0) -> PagedKVCache:
         """A paged cache for every layer plus ``extra_layers`` (exit heads with attention)."""
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        need = 2 * (self.num_layers + extra_layers) * self.num_kv_heads * self.head_dim * element * num_blocks * block_size
+        have = device_memory(self.device)
+        if need > have:
+            raise HiSpecError(f"a KV cache of num_blocks={num_blocks} blocks of block_size={block_size} tokens needs "
+                              f"{need / 2**30:.1f} GiB; this {self.device.type} device has {have / 2**30:.1f} GiB")
         return PagedKVCache(self.num_layers + extra_layers, self.num_kv_heads, self.head_dim, num_blocks,
                             block_size, self.dtype, self.device)
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory on ``device`` (physical memory for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no check
+        return 2**63

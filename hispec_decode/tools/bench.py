@@ -163,7 +163,7 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated dtypes, each benchmarked in turn")
@@ -187,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="batched mode: decode at most this many batches per batch size (shorter runs)")
     add_config_args(p, GenerationConfig, POLICY_FIELDS)
     add_debug_arg(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """Parse and check the options (mistakes exit with status 2 before any model is loaded)."""
+    p = build_parser()
     args = p.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     if not methods:
@@ -202,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
             parse_dtype(dtype)
         except HiSpecError as exc:
             p.error(f"--dtypes: {exc}")
+    return p, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     return run_cli("hispec-bench", lambda: _run(args, p.get_default("num_prompts")), args.debug)
 

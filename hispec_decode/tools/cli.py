@@ -28,7 +28,7 @@ def run_cli(prog: str, run: Callable[[], int], debug: bool = False) -> int:
         if debug:
             raise
         message = str(exc) if isinstance(exc, HiSpecError) else f"{type(exc).__name__}: {exc}"
-        print(f"{prog}: error: {message}", file=sys.stderr)
+        print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)  # one line
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -1,0 +1,67 @@
+"""The README cannot drift: its Python blocks run (on a tiny model) and its command lines parse."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from hispec_decode import HiSpecModel
+from hispec_decode.tools import bench
+from hispec_decode.tools import generate as generate_cli
+from hispec_train.config import load_config, parse_overrides
+from hispec_train.export import build_parser as export_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def test_python_blocks_run(trainable_base, monkeypatch, capsys):
+    """Every Python block, with the embedded model replaced by a tiny one that has a chat template."""
+    original = HiSpecModel.from_pretrained.__func__
+
+    def tiny(cls, base=None, heads=None, **kwargs):
+        return original(cls, str(trainable_base) if base is None else base, "none" if base is None else heads, **kwargs)
+    monkeypatch.setattr(HiSpecModel, "from_pretrained", classmethod(tiny))
+    blocks = _blocks("python")
+    assert blocks, "the README has Python examples"
+    for code in blocks:
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme"})  # noqa: S102 - our own README
+    assert capsys.readouterr().out  # the streaming example printed what it committed
+
+
+def _commands() -> list[list[str]]:
+    commands = []
+    for block in _blocks("bash"):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            if line:
+                commands.append(shlex.split(line.replace("[", "").replace("]", "")))
+    return commands
+
+
+@pytest.mark.parametrize("argv", _commands(), ids=lambda a: " ".join(a)[:60])
+def test_command_lines_parse(argv):
+    """Each command line's options exist and its values are valid (nothing is loaded or run)."""
+    prog, args = argv[0], argv[1:]
+    if prog.startswith("scripts/"):
+        assert os.access(ROOT / prog, os.X_OK), prog
+    elif prog == "hispec-generate":
+        generate_cli.build_parser().parse_args(args)
+    elif prog == "hispec-bench":
+        bench.parse_args(args)
+    elif prog == "hispec-export":
+        export_parser().parse_args(args)
+    elif prog == "accelerate":
+        assert args[:2] == ["launch", "--cpu"] and (ROOT / args[2]).is_file(), args
+        overrides = parse_overrides(args[3:])
+        load_config(ROOT / overrides.pop("recipe"), overrides)
+    else:
+        pytest.fail(f"the README runs {prog!r}, which this test does not know")
