@@ -82,10 +82,11 @@ class HiSpecModel:
     def policy(self, generation_config: GenerationConfig | None = None, **overrides: Any) -> Policy:
         """The exits and windows a config resolves to on this model (the adapter's roles first)."""
         config = (generation_config or self.generation_config).update(**overrides)
-        roles = {}
+        roles, tuned = {}, None
         if self.adapter is not None:
             roles = {r: self.adapter.config.layer_for(r) for r in ("draft", "intermediate")}
-        return resolve_policy(config, self.num_layers, roles)
+            tuned = self.adapter.config.tuned_policy(config.method, self.decoder.dtype)
+        return resolve_policy(config, self.num_layers, roles, tuned)
 
     def serve(self, generation_config: GenerationConfig | None = None, engine_config: EngineConfig | None = None,
               **overrides: Any) -> LLMEngine:

@@ -13,6 +13,7 @@ request; the others can differ per request.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,8 +49,14 @@ class GenerationConfig:
     draft_layer: int | None = field(default=None, metadata=_help("L_d (default: the adapter's draft head, else ~depth/8)"))
     verify_layer: int | None = field(
         default=None, metadata=_help("L_i, the intermediate exit (default: the adapter's intermediate head, else ~depth/4)"))
-    window: int | None = field(default=None, metadata=_help("N_i: tentative tokens per full verification"))
-    num_draft: int | None = field(default=None, metadata=_help("drafts per check (k for self_spec, k_d for hispec)"))
+    window: int | None = field(default=None, metadata=_help("N_i: tentative tokens per full verification at most"))
+    num_draft: int | None = field(default=None, metadata=_help("drafts per check at most (k for self_spec, k_d for hispec)"))
+    draft_threshold: float | None = field(default=None, metadata=_help(
+        "L_d drafts while its top probability is at least this (0: always; default: the adapter's tuned policy)"))
+    verify_threshold: float | None = field(default=None, metadata=_help(
+        "L_i adds tentative tokens while the product of their probabilities is at least this (0: up to the window)"))
+    batch_aware: bool = field(default=True, metadata=_help(
+        "raise the thresholds with the batch size by the adapter's measured pass costs (off: the same policy at any size)"))
     use_exit_vocab: bool = field(
         default=True, metadata=_help("early exits predict over the heads' reduced vocabularies, where they have one"))
 
@@ -81,7 +88,11 @@ class GenerationConfig:
         ids = eos if isinstance(eos, tuple) else (eos,)
         if eos is not None and not all(_is_int(t) and t >= 0 for t in ids):
             raise HiSpecError(f"eos_token_id must be a token id >= 0 or a list of them; got {eos!r}")
-        for name in ("do_sample", "use_exit_vocab"):
+        for name in ("draft_threshold", "verify_threshold"):
+            value = getattr(self, name)
+            if value is not None and (not _real(value) or not 0 <= value < math.inf):
+                raise HiSpecError(f"{name} must be a finite number >= 0 (0: no gate, above 1: never) or None; got {value!r}")
+        for name in ("do_sample", "use_exit_vocab", "batch_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise HiSpecError(f"{name} must be True or False; got {getattr(self, name)!r}")
         self.sampling_params()  # checks temperature, top_k, top_p
@@ -127,7 +138,8 @@ INT_FIELDS = ("max_new_tokens", "top_k", "seed", "draft_layer", "verify_layer", 
 GENERATION_FIELDS = frozenset(f.name for f in dataclasses.fields(GenerationConfig))
 ENGINE_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 # fixed per server: every request of one server runs the same strategy and exits
-ENGINE_FIELDS = frozenset({"method", "draft_layer", "verify_layer", "window", "num_draft", "use_exit_vocab"})
+ENGINE_FIELDS = frozenset({"method", "draft_layer", "verify_layer", "window", "num_draft", "use_exit_vocab",
+                           "draft_threshold", "verify_threshold", "batch_aware"})
 
 
 def split_overrides(generation_config: GenerationConfig | None, engine_config: EngineConfig | None,
@@ -138,6 +150,10 @@ def split_overrides(generation_config: GenerationConfig | None, engine_config: E
         **{k: v for k, v in overrides.items() if k not in engine_keys})
     engine = engine_config or EngineConfig()
     return generation, dataclasses.replace(engine, **engine_keys) if engine_keys else engine
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _is_int(value: object) -> bool:

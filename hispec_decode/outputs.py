@@ -48,10 +48,12 @@ def generation_stats(engine: LLMEngine, seqs: list[Sequence], seconds: float) ->
     }
 
 
-def _policy_stats(method: str, policy: Policy) -> dict[str, int | None]:
+def _policy_stats(method: str, policy: Policy) -> dict[str, int | float | None]:
     return {
         "draft_layer": policy.draft_layer if method != "autoregressive" else None,
         "verify_layer": policy.verify_layer if method == "hispec" else None,
         "window": policy.window if method == "hispec" else None,
         "num_draft": policy.num_draft if method != "autoregressive" else None,
+        "draft_threshold": policy.draft_threshold if method != "autoregressive" else None,
+        "verify_threshold": policy.verify_threshold if method == "hispec" else None,
     }

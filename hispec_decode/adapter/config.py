@@ -56,6 +56,8 @@ class HiSpecAdapterConfig:
     base_revision: str | None = None  # the base's Hub commit (or the package that shipped it), when known
     hispec_version: str | None = __version__  # the HiSpec that wrote this adapter (None: unknown, format 1)
     training: dict[str, Any] = field(default_factory=dict)
+    # hispec-tune's choice per dtype and method: {"bfloat16": {"hispec": {"window": 4, ...}, ...}, ...}
+    policy: dict[str, Any] = field(default_factory=dict)
 
     # -- (de)serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -121,6 +123,12 @@ class HiSpecAdapterConfig:
 
     def layer_for(self, role: str) -> int | None:
         return next((e.layer for e in self.exits if e.role == role), None)
+
+    def tuned_policy(self, method: str, dtype: Any) -> dict[str, Any] | None:
+        """The policy ``hispec-tune`` chose for ``method`` in ``dtype`` (a torch dtype or its name)."""
+        name = str(dtype).removeprefix("torch.")
+        chosen = self.policy.get(name, {}).get(method)
+        return chosen if isinstance(chosen, dict) else None
 
 
 def _migrate(data: dict[str, Any]) -> dict[str, Any]:

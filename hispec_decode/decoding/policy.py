@@ -1,15 +1,29 @@
-"""The decoding policy of a run: which exits draft and check, how much is drafted and verified.
+"""The decoding policy of a run: which exits draft and check, and when to draft and verify.
+
+A policy is confidence-adaptive (docs/policy.md):
+
+* the draft exit ``L_d`` drafts while the top probability of its next distribution is at least
+  ``draft_threshold``, up to ``num_draft`` tokens (a round may draft nothing: the sequence then
+  goes straight up from ``L_d``'s hidden state);
+* ``L_i`` adds tentative tokens while the product of its probabilities of the tentative tokens
+  stays at least ``verify_threshold``, up to ``window``; then ``L_f`` verifies them;
+* batch-aware: ``batch_thresholds`` maps a batch size to the acceptance a speculated token needs
+  to pay for the extra rows it adds to a pass at that size (measured by ``hispec-tune``); the
+  effective thresholds are never below it, and above 1 the sequence does not speculate at all.
+
+Every decision uses proposal-side quantities only, so greedy output equals the base model's and
+sampled output is an exact sample of it, whatever the thresholds.
 
 :func:`resolve_policy` fills what a :class:`~hispec_decode.config.GenerationConfig` leaves open:
-the adapter's roles first (its ``draft`` and ``intermediate`` exits), else fractions of the
-depth; then it checks the layers against the model. See docs/defaults.md for the measurements
-behind the defaults.
+explicit arguments first, then the adapter's tuned policy for the model's dtype, then the
+adapter's roles (``draft`` / ``intermediate`` exits), then fractions of the depth.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import HiSpecError
 
@@ -19,34 +33,46 @@ if TYPE_CHECKING:
 # Layers scale with depth: the draft exit at ~1/8, the intermediate exit at ~1/4 of the layers.
 DEFAULT_DRAFT_FRACTION = 1 / 8
 DEFAULT_VERIFY_FRACTION = 1 / 4
-# Best configurations of `hispec-bench --sweep` with the default heads (docs/sweep-bfloat16.md):
-# with ~31% agreement per token, short drafts and windows waste least.
+# Without a tuned policy: the fixed policy that was best in the sweep of the first default heads
+# (docs/sweep-bfloat16.md): short drafts and windows, no confidence gates.
 DEFAULT_WINDOW = 2  # N_i
 DEFAULT_NUM_DRAFT = 1  # k (self_spec) and k_d (hispec)
+DEFAULT_THRESHOLD = 0.0
+TUNABLE = ("draft_layer", "verify_layer", "window", "num_draft", "draft_threshold", "verify_threshold")
 
 
 @dataclass(frozen=True)
 class Policy:
-    """Exit layers and window sizes of one run, checked against the model by :func:`resolve_policy`."""
+    """Exits, maxima and confidence thresholds of one run, checked against the model."""
 
     draft_layer: int  # L_d
     verify_layer: int  # L_i (the intermediate exit)
-    window: int  # N_i: tentative tokens that trigger a full verification
-    num_draft: int  # k (self_spec) or k_d (hispec): drafts per check
+    window: int  # N_i at most: tentative tokens per full verification
+    num_draft: int  # k (self_spec) or k_d (hispec) at most: drafts per check
+    draft_threshold: float = DEFAULT_THRESHOLD  # L_d drafts while its top probability is at least this
+    verify_threshold: float = DEFAULT_THRESHOLD  # L_i adds tokens while their probability product is at least this
+    batch_thresholds: tuple[tuple[int, float], ...] = ()  # (batch size, break-even acceptance), increasing sizes
+
+    def at_batch(self, batch_size: int) -> tuple[float, float]:
+        """Effective ``(draft_threshold, verify_threshold)`` in a batch of ``batch_size`` sequences
+        (above 1: do not speculate)."""
+        floor = 0.0
+        if self.batch_thresholds:
+            sizes = [b for b, _ in self.batch_thresholds]
+            i = bisect.bisect_right(sizes, batch_size) - 1
+            floor = self.batch_thresholds[max(i, 0)][1]
+        return max(self.draft_threshold, floor), max(self.verify_threshold, floor)
 
 
-def resolve_policy(config: GenerationConfig, num_layers: int, roles: dict[str, int | None] | None = None) -> Policy:
-    """Fill in what ``config`` leaves open (``roles``: the adapter's ``draft``/``intermediate``
-    layers, else fractions of the depth) and check the layers against the model."""
-    roles = roles or {}
+def resolve_policy(config: GenerationConfig, num_layers: int, roles: dict[str, int | None] | None = None,
+                   tuned: dict[str, Any] | None = None) -> Policy:
+    """Fill in what ``config`` leaves open (``tuned``: the adapter's tuned policy for this dtype;
+    ``roles``: its ``draft``/``intermediate`` layers) and check the layers against the model."""
+    roles, tuned = roles or {}, tuned or {}
     n, method = num_layers, config.method
-    draft_layer, verify_layer, window, num_draft = config.draft_layer, config.verify_layer, config.window, config.num_draft
-    if draft_layer is None:
-        draft_layer = roles.get("draft") or max(1, round(n * DEFAULT_DRAFT_FRACTION))
-    if verify_layer is None:
-        verify_layer = roles.get("intermediate") or max(draft_layer + 1, round(n * DEFAULT_VERIFY_FRACTION))
-    window = DEFAULT_WINDOW if window is None else window
-    num_draft = DEFAULT_NUM_DRAFT if num_draft is None else num_draft
+    value = {k: getattr(config, k) if getattr(config, k) is not None else tuned.get(k) for k in TUNABLE}
+    draft_layer = value["draft_layer"] or roles.get("draft") or max(1, round(n * DEFAULT_DRAFT_FRACTION))
+    verify_layer = value["verify_layer"] or roles.get("intermediate") or max(draft_layer + 1, round(n * DEFAULT_VERIFY_FRACTION))
     if method == "hispec" and not 1 <= draft_layer < verify_layer < n:
         raise HiSpecError(
             f"hispec needs 1 <= draft_layer < verify_layer < {n} (the full model); got draft_layer="
@@ -54,4 +80,12 @@ def resolve_policy(config: GenerationConfig, num_layers: int, roles: dict[str, i
         )
     if method == "self_spec" and not 1 <= draft_layer < n:
         raise HiSpecError(f"self_spec needs 1 <= draft_layer < {n}; got {draft_layer}")
-    return Policy(draft_layer, verify_layer, window, num_draft)
+    window = value["window"] or DEFAULT_WINDOW
+    num_draft = value["num_draft"] or DEFAULT_NUM_DRAFT
+    batch = tuple((int(b), float(t)) for b, t in sorted(tuned.get("batch_thresholds", {}).items(), key=lambda kv: int(kv[0])))
+    if not config.batch_aware:
+        batch = ()
+    return Policy(draft_layer, verify_layer, window, num_draft,
+                  float(value["draft_threshold"] if value["draft_threshold"] is not None else DEFAULT_THRESHOLD),
+                  float(value["verify_threshold"] if value["verify_threshold"] is not None else DEFAULT_THRESHOLD),
+                  batch)

@@ -106,6 +106,28 @@ class TokenSampler:
         probs = self.probs(logits[-1:])[0]
         return self._draw(probs), probs
 
+    def propose(self, logits: torch.Tensor, threshold: float) -> tuple[int, torch.Tensor | None] | None:
+        """Like :meth:`choose`, but only if the distribution's top probability is at least
+        ``threshold`` (else None, and no random number is used). The decision depends on the
+        proposal's distribution only, never on the drawn token, so verification stays exact."""
+        if threshold <= 0:
+            return self.choose(logits)
+        if self.greedy:
+            row = logits[-1]
+            if float(row.float().softmax(-1).max()) < threshold:
+                return None
+            return int(row.argmax()), None
+        probs = self.probs(logits[-1:])[0]
+        if float(probs.max()) < threshold:
+            return None
+        return self._draw(probs), probs
+
+    def confidence(self, logits: torch.Tensor) -> torch.Tensor:
+        """Top probability of each row of logits [n, vocab] (warped when sampling): a proposal-side
+        estimate of how likely the next level accepts what this level proposes."""
+        probs = self.probs(logits) if not self.greedy else logits.float().softmax(-1)
+        return probs.max(-1).values
+
     def verify(self, candidates: list[int], proposal: torch.Tensor | None, target_logits: torch.Tensor) -> Verdict:
         """Check ``n`` candidates against target logits [n+1, vocab] (row j predicts candidate j).
 

@@ -25,20 +25,32 @@ from .sampling import Verdict
 Steps = Generator[BandRequest, torch.Tensor, Any]
 
 
-def draft(seq: Sequence, count: int) -> Steps:
-    """Propose up to ``count`` tokens from the draft exit (band 0), stopping at EOS.
-    Returns ``(drafts, their probabilities or None when greedy)``."""
+def draft(seq: Sequence, count: int, threshold: float) -> Steps:
+    """Propose up to ``count`` tokens from the draft exit (band 0) while its top probability is at
+    least ``threshold``, stopping at EOS. Returns ``(drafts, their distributions or None when
+    greedy)``; no drafts leaves band 0's hidden state waiting for the band above."""
     drafts, probs = [], []
     while len(drafts) < count and seq.room() > 0:
         logits = yield BandRequest(seq, 0, 1)
-        token, q = seq.sampler.choose(logits)
         seq.counters.calls_draft += 1
+        proposal = seq.sampler.propose(logits, threshold)
+        if proposal is None:
+            break
+        token, q = proposal
         seq.tokens.append(token)
         drafts.append(token)
         probs.append(q)
         if token in seq.eos:
             break
-    return drafts, None if seq.sampler.greedy else torch.stack(probs)
+    return drafts, None if seq.sampler.greedy or not drafts else torch.stack(probs)
+
+
+def step_autoregressive(seq: Sequence, top_band: int) -> Steps:
+    """One plain decoding step through every band (no exit but the last is evaluated)."""
+    logits = yield BandRequest(seq, top_band, 1)
+    seq.counters.calls_full += 1
+    token, _ = seq.sampler.choose(logits)
+    seq.commit(len(seq.tokens), Verdict(0, token, None))
 
 
 class Strategy(ABC):
@@ -61,10 +73,7 @@ class Autoregressive(Strategy):
 
     def decode(self, seq: Sequence) -> Steps:
         while not seq.is_finished:
-            logits = yield BandRequest(seq, 0, 1)
-            seq.counters.calls_full += 1
-            token, _ = seq.sampler.choose(logits)
-            seq.commit(len(seq.tokens), Verdict(0, token, None))
+            yield from step_autoregressive(seq, 0)
 
 
 class SelfSpec(Strategy):
@@ -77,8 +86,12 @@ class SelfSpec(Strategy):
 
     def decode(self, seq: Sequence) -> Steps:
         while not seq.is_finished:
+            draft_threshold, _ = seq.policy.at_batch(seq.batch_size)
+            if draft_threshold > 1:  # speculation cannot pay at this batch size
+                yield from step_autoregressive(seq, 1)
+                continue
             start = len(seq.tokens)
-            drafts, q = yield from draft(seq, seq.policy.num_draft)
+            drafts, q = yield from draft(seq, seq.policy.num_draft, draft_threshold)
             logits = yield BandRequest(seq, 1, len(drafts) + 1)
             seq.counters.calls_full += 1
             verdict = seq.sampler.verify(drafts, q, logits)
@@ -88,8 +101,9 @@ class SelfSpec(Strategy):
 
 
 class HiSpec(Strategy):
-    """``L_d`` drafts ``k_d`` tokens; ``L_i`` checks them and adds its own token; once ``N_i``
-    tokens are tentative, ``L_f`` verifies them all in one pass, treating ``L_i`` as proposal."""
+    """``L_d`` drafts up to ``k_d`` confident tokens; ``L_i`` checks them and adds its own token;
+    while ``L_i``'s confidence in the tentative tokens holds (up to ``N_i`` of them), rounds
+    continue; then ``L_f`` verifies them all in one pass, treating ``L_i`` as the proposal."""
 
     name = "hispec"
 
@@ -99,21 +113,36 @@ class HiSpec(Strategy):
     def decode(self, seq: Sequence) -> Steps:
         policy = seq.policy
         while not seq.is_finished:
+            draft_threshold, verify_threshold = policy.at_batch(seq.batch_size)
+            if draft_threshold > 1 and verify_threshold > 1:  # speculation cannot pay at this batch size
+                yield from step_autoregressive(seq, 2)
+                continue
             start = len(seq.tokens)  # tokens[start:] are tentative: accepted by L_i, not yet by L_f
-            proposals: list[torch.Tensor] = []  # L_i's distribution of each tentative token
+            proposals: list[torch.Tensor] = []  # L_i's distribution of each tentative token (sampling)
+            confidence = 1.0  # L_i's probability of the tentative tokens so far
             while True:
                 first = len(seq.tokens)
-                drafts, q = yield from draft(seq, policy.num_draft)
+                drafts, q = yield from draft(seq, policy.num_draft, draft_threshold)
                 logits = yield BandRequest(seq, 1, len(drafts) + 1)
                 seq.counters.calls_intermediate += 1
+                tops = seq.sampler.confidence(logits)  # [len(drafts) + 1]: L_i's top probability per position
                 verdict = seq.sampler.verify(drafts, q, logits)
                 seq.counters.drafted += len(drafts)
                 seq.counters.accepted_intermediate += verdict.accepted
-                appended = seq.extend(first, verdict)
+                confidence *= _probability(verdict, drafts[: verdict.accepted], tops)
+                # L_i's own token joins while its top probability keeps the product at the gate;
+                # else the window closes and L_f chooses that position itself
+                if confidence * float(tops[verdict.accepted]) >= verify_threshold:
+                    appended = seq.extend(first, verdict)
+                    confidence *= _probability(verdict, [verdict.token] if appended else [], tops, verdict.accepted)
+                else:
+                    seq.truncate(first + verdict.accepted)
+                    appended = False
                 if verdict.target_probs is not None:
                     proposals.append(verdict.target_probs[: verdict.accepted + appended])
                 tentative = seq.tokens[start:]
-                if len(tentative) >= policy.window or seq.room() == 0 or seq.eos.intersection(seq.tokens[first:]):
+                if (not appended or len(tentative) >= policy.window or confidence < verify_threshold
+                        or seq.room() == 0 or seq.eos.intersection(seq.tokens[first:])):
                     break
             logits = yield BandRequest(seq, 2, len(tentative) + 1)
             seq.counters.calls_full += 1
@@ -122,6 +151,17 @@ class HiSpec(Strategy):
             seq.counters.tentative += len(tentative)
             seq.counters.accepted_final += verdict.accepted
             seq.commit(start, verdict)
+
+
+def _probability(verdict: Verdict, tokens: list[int], tops: torch.Tensor, offset: int = 0) -> float:
+    """L_i's probability of ``tokens`` at positions ``offset...``: its top probability when greedy
+    (each is its argmax), the exact probability when sampling."""
+    if not tokens:
+        return 1.0
+    if verdict.target_probs is None:
+        return float(tops[offset : offset + len(tokens)].prod())
+    rows = torch.arange(offset, offset + len(tokens))
+    return float(verdict.target_probs[rows, torch.tensor(tokens)].prod())
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Autoregressive(), SelfSpec(), HiSpec())}

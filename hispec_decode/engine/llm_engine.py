@@ -90,6 +90,7 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Admit what fits, serve one sweep, retire finished sequences; returns committed tokens."""
         for seq in self.scheduler.admit():
+            seq.batch_size = len(self.scheduler.running)
             seq.steps = self.strategy.decode(seq)
             seq.request = next(seq.steps)
         if not self.scheduler.running:
@@ -100,7 +101,9 @@ class LLMEngine:
         self.peak_slots = max(self.peak_slots, usage["slots_held"])
         self.peak_tokens = max(self.peak_tokens, usage["tokens_needed"])
         outputs = []
+        running = len(self.scheduler.running)
         for seq, lg in zip(batch, logits):
+            seq.batch_size = running  # batch-aware policies speculate less in bigger batches
             try:
                 seq.request = seq.steps.send(lg)
             except StopIteration:

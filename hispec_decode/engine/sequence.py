@@ -79,6 +79,7 @@ class Sequence:
         self.reported = len(prompt)  # committed tokens already streamed (prompt included)
         self.preemptions = 0
         self.idle = 0  # consecutive steps this sequence waited without being served
+        self.batch_size = 1  # sequences running beside it (incl. itself) when it last received logits
 
     # -- queries ----------------------------------------------------------------------------
     def processed(self, band: int) -> int:

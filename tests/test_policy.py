@@ -1,0 +1,106 @@
+"""Confidence-adaptive and batch-aware policies stay lossless: exact greedy equality with
+transformers, exact sampled distributions (chi-square at the 99.9% quantile), for thresholds
+that never stop, that stop everything and in between."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hispec_decode import CONFIG_NAME, HiSpecAdapter, HiSpecModel, Policy
+from hispec_decode.adapter import ExitSpec
+from hispec_decode.decoding.sampling import SamplingParams
+
+from conftest import ARCHS
+from test_lossless import NEW, PROMPTS
+from test_sampling import SAMPLE_PROMPT, _chi_square, _chi_square_critical, _exact_two_token_distribution
+from test_sampling import small_vocab_model  # noqa: F401 - a fixture
+
+# (draft_threshold, verify_threshold): never stop, stop everything, in between
+THRESHOLDS = [(0.0, 0.0), (1.01, 1.01), (0.3, 0.2), (0.7, 0.6), (0.0, 1.01), (1.01, 0.0)]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    return {(a, n): tiny_models[a].hf_generate(p, NEW) for a in ARCHS for n, p in PROMPTS.items()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("thresholds", THRESHOLDS)
+def test_thresholded_policies_match_transformers(arch, thresholds, hispec_models, references):
+    model = hispec_models[arch]
+    gates = dict(draft_threshold=thresholds[0], verify_threshold=thresholds[1])
+    for window, num_draft in ((1, 1), (8, 3)):
+        for n, prompt in PROMPTS.items():
+            hi = model.generate([prompt], max_new_tokens=NEW, method="hispec", draft_layer=2, verify_layer=4,
+                                window=window, num_draft=num_draft, **gates)
+            ss = model.generate([prompt], max_new_tokens=NEW, method="self_spec", draft_layer=2, num_draft=num_draft,
+                                draft_threshold=thresholds[0])
+            assert hi.sequences[0] == references[arch, n] == ss.sequences[0], (thresholds, window, num_draft, n)
+    batch = model.generate(list(PROMPTS.values()), max_new_tokens=NEW, method="hispec", draft_layer=1, verify_layer=3,
+                           window=4, num_draft=2, **gates)
+    assert batch.sequences == [references[arch, n] for n in PROMPTS]
+
+
+def test_gates_that_stop_everything_degenerate_to_plain_decoding(hispec_models):
+    model = hispec_models["qwen2"]
+    policy = dict(draft_layer=2, verify_layer=4, window=8, num_draft=4)
+    no_drafts = model.generate([PROMPTS[5]], max_new_tokens=NEW, method="hispec", draft_threshold=1.01, **policy)
+    assert no_drafts.stats["calls_draft"] > 0 and no_drafts.seqs[0].counters.drafted == 0
+    nothing = model.generate([PROMPTS[5]], max_new_tokens=NEW, method="hispec", draft_threshold=1.01,
+                             verify_threshold=1.01, **policy)
+    c = nothing.seqs[0].counters
+    assert c.drafted == 0 and c.tentative == 0 and c.calls_full == NEW  # one full pass per token, like autoregressive
+    never = model.generate([PROMPTS[5]], max_new_tokens=NEW, method="hispec", draft_threshold=0.0,
+                           verify_threshold=0.0, **policy)
+    fixed = model.generate([PROMPTS[5]], max_new_tokens=NEW, method="hispec", **policy)
+    assert never.seqs[0].counters == fixed.seqs[0].counters  # thresholds of 0 are the fixed policy
+
+
+@pytest.mark.parametrize("thresholds", [(0.4, 0.3), (1.01, 0.5), (0.5, 1.01), (1.01, 1.01)])
+@pytest.mark.parametrize("method", ["hispec", "self_spec"])
+def test_thresholded_sampling_follows_the_base_distribution(small_vocab_model, thresholds, method):
+    path, reference = small_vocab_model
+    model = HiSpecModel.from_pretrained(str(path))
+    params, draws = SamplingParams(True, temperature=0.9), 3000
+    out = model.generate([SAMPLE_PROMPT] * draws, max_new_tokens=2, method=method, do_sample=True, temperature=0.9,
+                         seed=321, draft_layer=1, verify_layer=2, window=3, num_draft=2,
+                         draft_threshold=thresholds[0], verify_threshold=thresholds[1])
+    counts: dict[tuple[int, int], int] = {}
+    for seq in out.sequences:
+        counts[tuple(seq[:2])] = counts.get(tuple(seq[:2]), 0) + 1
+    stat, df = _chi_square(counts, _exact_two_token_distribution(reference, params), draws)
+    assert stat < _chi_square_critical(df), (stat, df)
+
+
+def test_policy_thresholds_rise_with_the_batch():
+    policy = Policy(2, 4, 4, 2, 0.3, 0.2, ((1, 0.0), (4, 0.5), (16, 1.5)))
+    assert policy.at_batch(1) == (0.3, 0.2)
+    assert policy.at_batch(3) == (0.3, 0.2)
+    assert policy.at_batch(4) == (0.5, 0.5)
+    assert policy.at_batch(40) == (1.5, 1.5)  # above 1: no speculation
+
+
+def test_tuned_adapter_policy_is_the_default_and_batch_aware(tiny_models, hispec_models, references, tmp_path):
+    """An adapter's tuned policy fills what the call leaves open; in batches of 4 or more this one
+    says speculation cannot pay, so those rows decode plainly (same tokens)."""
+    tiny = tiny_models["llama"]
+    adapter = HiSpecAdapter.create(hispec_models["llama"].decoder, str(tiny.path),
+                                   [ExitSpec(2, "draft", "norm"), ExitSpec(4, "intermediate", "norm")])
+    adapter.config.policy = {"float32": {"hispec": {"window": 5, "num_draft": 3, "draft_threshold": 0.25,
+                                                    "verify_threshold": 0.01,
+                                                    "batch_thresholds": {"1": 0.0, "4": 1.5}}}}
+    adapter.save_pretrained(tmp_path / "heads")
+    assert json.loads((tmp_path / "heads" / CONFIG_NAME).read_text())["policy"]["float32"]["hispec"]["window"] == 5
+    model = tiny.load(heads=str(tmp_path / "heads"))
+    assert model.policy(method="hispec") == Policy(2, 4, 5, 3, 0.25, 0.01, ((1, 0.0), (4, 1.5)))
+    assert model.policy(method="hispec", window=2, batch_aware=False).window == 2
+    assert model.policy(method="hispec", batch_aware=False).batch_thresholds == ()
+    assert model.policy(method="self_spec").draft_threshold == 0.0  # tuned for hispec only
+    prompts = list(PROMPTS.values())
+    alone = model.generate([prompts[1]], max_new_tokens=NEW)
+    assert alone.sequences[0] == references["llama", 5] and alone.seqs[0].counters.tentative > 0
+    batch = model.generate(prompts + prompts[:1], max_new_tokens=NEW)  # 4 rows: plain decoding
+    assert batch.sequences == [references["llama", n] for n in PROMPTS] + [references["llama", 1]]
+    assert all(s.counters.tentative == 0 and s.counters.calls_full == NEW for s in batch.seqs)
