@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from .adapter import HiSpecAdapter, compute_fingerprint
-from .config import EngineConfig, GenerationConfig, split_overrides
+from .config import EngineConfig, GenerationConfig, checked, split_overrides
 from .decoding.policy import Policy, resolve_policy
 from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
@@ -81,7 +81,8 @@ class HiSpecModel:
 
     def policy(self, generation_config: GenerationConfig | None = None, **overrides: Any) -> Policy:
         """The exits and windows a config resolves to on this model (the adapter's roles first)."""
-        config = (generation_config or self.generation_config).update(**overrides)
+        config = checked(generation_config or self.generation_config, GenerationConfig, "generation_config")
+        config = config.update(**overrides)
         roles, tuned = {}, None
         if self.adapter is not None:
             roles = {r: self.adapter.config.layer_for(r) for r in ("draft", "intermediate")}
@@ -116,7 +117,8 @@ class HiSpecModel:
             engine = EngineConfig(blocks, size, engine.schedule)
         server = self.serve(config, engine)
         t0 = time.perf_counter()
-        ids = [server.add_request(r, seed=None if config.seed is None else config.seed + i) for i, r in enumerate(rows)]
+        ids = [server.add_request(r, seed=None if config.seed is None else (config.seed + i) % 2**63)
+               for i, r in enumerate(rows)]
         while server.has_unfinished():
             server.step()
         seconds = time.perf_counter() - t0

@@ -104,7 +104,9 @@ class GenerationConfig:
         """A copy with ``overrides`` applied (unknown names fail, naming the known ones)."""
         unknown = sorted(set(overrides) - GENERATION_FIELDS)
         if unknown:
-            raise HiSpecError(f"unknown generation argument(s) {unknown}; known: {', '.join(sorted(GENERATION_FIELDS))}")
+            hints = "".join(f" ({k} is now {RENAMED[k]})" for k in unknown if k in RENAMED)
+            raise HiSpecError(f"unknown generation argument(s) {unknown}{hints}; known: "
+                              f"{', '.join(sorted(GENERATION_FIELDS))} and the engine's {', '.join(sorted(ENGINE_CONFIG_FIELDS))}")
         return dataclasses.replace(self, **overrides) if overrides else self
 
     def eos_ids(self, default: frozenset[int]) -> frozenset[int]:
@@ -142,13 +144,26 @@ ENGINE_FIELDS = frozenset({"method", "draft_layer", "verify_layer", "window", "n
                            "draft_threshold", "verify_threshold", "batch_aware"})
 
 
+RENAMED = {"verify": "schedule", "exit_vocab": "use_exit_vocab"}  # keywords of earlier versions
+
+
+def checked(value: Any, cls: type, name: str) -> Any:
+    """``value`` if it is a ``cls`` (None: the defaults), else a clear error (e.g. an old positional call)."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise HiSpecError(f"{name} must be a hispec_decode.{cls.__name__} or None; got {type(value).__name__} "
+                          f"{value!r:.60} (pass other settings by keyword, e.g. max_new_tokens=64, method='hispec')")
+    return value
+
+
 def split_overrides(generation_config: GenerationConfig | None, engine_config: EngineConfig | None,
                     overrides: dict[str, Any]) -> tuple[GenerationConfig, EngineConfig]:
     """Apply keyword overrides to whichever config owns each name."""
     engine_keys = {k: overrides[k] for k in overrides if k in ENGINE_CONFIG_FIELDS}
-    generation = (generation_config or GenerationConfig()).update(
+    generation = checked(generation_config, GenerationConfig, "generation_config").update(
         **{k: v for k, v in overrides.items() if k not in engine_keys})
-    engine = engine_config or EngineConfig()
+    engine = checked(engine_config, EngineConfig, "engine_config")
     return generation, dataclasses.replace(engine, **engine_keys) if engine_keys else engine
 
 

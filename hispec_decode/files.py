@@ -8,9 +8,13 @@ results) goes through two primitives:
   existing target is exchanged atomically (Linux ``renameat2(RENAME_EXCHANGE)``), elsewhere
   moved aside first and restored by the next writer if a crash fell in between.
 
-Temporaries are named ``.<target>.hispec-<kind>-<pid>-<random>`` beside their target, so the next
-writer recognises what a killed process left (its pid is gone) and removes it, or restores it
-(``old``: the previous version of a target that is missing); it never touches anything else.
+Temporaries are named ``.<target>.hispec-<kind>-<host>-<pid>-<random>`` beside their target, so
+the next writer on the same machine recognises what a killed process left (its pid is gone) and
+removes it, or restores it (``old``: the previous version of a target that is missing); it never
+touches anything else, nor what a process on another machine (a shared file system) is writing.
+
+Atomic against a crash of the process (``kill -9``, an exception); files are not fsynced, so
+after a power loss only what the operating system had flushed is there.
 """
 
 from __future__ import annotations
@@ -18,30 +22,36 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import os
+import re
 import secrets
 import shutil
+import socket
 from pathlib import Path
 from typing import Iterator
 
 MARK = ".hispec-"
 DIR_MODE = 0o755
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+TEMPORARY = re.compile(r"^\.(?P<target>.+)\.hispec-(?P<kind>new|old)-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}$")
 
 
 def _tmp_path(target: Path, kind: str) -> Path:
-    return target.parent / f".{target.name}{MARK}{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+    return target.parent / f".{target.name}{MARK}{kind}-{HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def is_temporary(name: str) -> bool:
+    """Whether a file name is one of these temporaries (of any target)."""
+    return TEMPORARY.match(name) is not None
 
 
 def _owner(path: Path, target: Path) -> tuple[str, int] | None:
-    """``(kind, pid)`` of a temporary of ``target``, or None if ``path`` is not one."""
-    prefix = f".{target.name}{MARK}"
-    if not path.name.startswith(prefix):
+    """``(kind, pid)`` of this machine's temporary of ``target``, or None if ``path`` is not one."""
+    m = TEMPORARY.match(path.name)
+    if m is None or m["target"] != target.name or m["host"] != HOST:
         return None
-    try:
-        kind, pid, _ = path.name[len(prefix) :].split("-")
-        return kind, int(pid)
-    except ValueError:
-        return None
+    return m["kind"], int(m["pid"])
 
 
 def _alive(pid: int) -> bool:
@@ -151,6 +161,17 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(b))
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+    """Remove a file or directory so that a crash half-way leaves nothing at ``path``: it is first
+    renamed to a temporary (which the next writer removes), then deleted."""
+    path = Path(path)
+    if not path.exists():
+        return
+    doomed = _tmp_path(path, "new")
+    os.replace(path, doomed)
+    _remove(doomed)
 
 
 def check_writable(directory: str | os.PathLike, what: str) -> None:

@@ -21,7 +21,7 @@ from .config import load_config, parse_overrides
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
+    if "-h" in argv or "--help" in argv:
         from .config import TrainConfig
 
         print(__doc__)

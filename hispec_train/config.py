@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import logging
 import math
 import typing
 from dataclasses import dataclass, field
@@ -13,8 +15,10 @@ from typing import Any
 import yaml
 
 from hispec_decode.errors import HiSpecError
+from hispec_decode.layers.exit_heads import HEAD_TYPES, build_head
 from hispec_decode.models import parse_dtype
-from hispec_decode.layers.exit_heads import HEAD_TYPES
+
+logger = logging.getLogger(__name__)
 
 
 def _key(default: Any, help: str, factory: Any = None) -> Any:
@@ -87,9 +91,10 @@ class TrainConfig:
             raise HiSpecError(f"weight_decay must be a finite number >= 0; got {self.weight_decay}")
         if not 0 <= self.ce_weight <= 1:
             raise HiSpecError(f"ce_weight must be in [0, 1]; got {self.ce_weight}")
-        for name, allowed in (("mixed_precision", ("no", "bf16", "fp16")), ("report_to", ("tensorboard", "none"))):
-            if getattr(self, name) not in allowed:
-                raise HiSpecError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise HiSpecError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}; got {self.mixed_precision!r}")
+        if not self.report_to:
+            raise HiSpecError("report_to must name a tracker accelerate knows (tensorboard, wandb, ...) or be none")
         if not self.dataset or not self.output_dir:
             raise HiSpecError("dataset and output_dir must not be empty")
         if self.resume and self.overwrite:
@@ -98,6 +103,23 @@ class TrainConfig:
             parse_dtype(self.base_dtype)
         except HiSpecError as exc:
             raise HiSpecError(f"base_dtype: {exc}") from None
+        if self.seed >= 2**32:
+            raise HiSpecError(f"seed must be below 2**32; got {self.seed}")
+        self._check_head_options()
+
+    def _check_head_options(self) -> None:
+        """The options must be ones the head type takes, with values it accepts (checked on a tiny head)."""
+        cls = HEAD_TYPES[self.head_type]
+        known = set(inspect.signature(cls.__init__).parameters) - {"self", "hidden_size", "norm_keys", "decoder"}
+        unknown = sorted(set(self.head_options) - known)
+        if unknown:
+            raise HiSpecError(f"head_options {unknown} are not options of head type {self.head_type!r} "
+                              f"(it takes: {', '.join(sorted(known)) or 'none'})")
+        if not cls.has_cache:
+            try:
+                build_head(self.head_type, 4, ["weight"], self.head_options)
+            except HiSpecError as exc:
+                raise HiSpecError(f"head_options: {exc}") from None
 
     def check_layers(self, num_layers: int) -> None:
         bad = [l for l in self.heads_layers if l >= num_layers]
@@ -158,6 +180,8 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
         raise HiSpecError(f"bad value {value!r} for {name}: {exc}") from exc
 
 
+MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")  # accelerate's choices
+OLD_KEYS = {"exit_vocab": "exit_vocab_size"}  # recipe keys of earlier versions, still read
 BOOLEAN_WORDS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
@@ -177,6 +201,10 @@ def load_config(recipe: str | Path | None, overrides: dict[str, Any]) -> TrainCo
         if not isinstance(data, dict):
             raise HiSpecError(f"recipe {recipe} must be a mapping of keys to values")
     data |= overrides
+    for old, new in OLD_KEYS.items():
+        if old in data:
+            logger.warning("config key %r is now %r", old, new)
+            data.setdefault(new, data.pop(old))
     hints = typing.get_type_hints(TrainConfig)
     unknown = sorted(set(data) - set(hints))
     if unknown:

@@ -27,7 +27,7 @@ from hispec_decode.models import decoder_for
 from hispec_decode.layers.exit_heads import head_class
 from hispec_decode.models import LoadedBase, load_base
 from hispec_decode.errors import HiSpecError
-from hispec_decode.files import atomic_directory, check_writable
+from hispec_decode.files import atomic_directory, check_writable, is_temporary
 from hispec_decode.tools.cli import add_debug_arg, non_negative_int, run_cli
 from hispec_decode.adapter import fingerprint_id
 
@@ -97,8 +97,17 @@ out = model.generate(input_ids, max_new_tokens=128, method="hispec")
 """
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HiSpecError(f"{path} cannot be read as JSON ({exc}); is this a hispec-train run directory?") from exc
+
+
 def _run_config(run_dir: Path) -> TrainConfig:
-    data = json.loads((run_dir / TRAIN_CONFIG_NAME).read_text())
+    data = _read_json(run_dir / TRAIN_CONFIG_NAME)
+    if not isinstance(data, dict):
+        raise HiSpecError(f"{run_dir / TRAIN_CONFIG_NAME} is not a JSON object")
     return load_config(None, {k: v for k, v in data.items() if k in TrainConfig.__dataclass_fields__})
 
 
@@ -128,7 +137,7 @@ def check_out_dir(run_dir: Path, out: Path, overwrite: bool = False) -> None:
     if dest == Path.cwd().resolve() or dest in Path.cwd().resolve().parents:
         raise HiSpecError(f"--out {out} is the current directory or holds it; give a new or empty directory")
     if dest.is_dir():
-        names = {p.name for p in dest.iterdir() if ".hispec-" not in p.name}
+        names = {p.name for p in dest.iterdir() if not is_temporary(p.name)}
         if names and not (CONFIG_NAME in names and names <= EXPORT_FILES) and not overwrite:
             raise HiSpecError(f"--out {out} holds other files ({', '.join(sorted(names)[:3])}...); choose a new or "
                               f"empty directory, or pass --overwrite to replace all of it")
@@ -149,11 +158,11 @@ def export(run_dir: Path, out: Path, exit_vocab_size: int = 0, overwrite: bool =
     loaded = load_base(cfg.base, "float32") if block_heads or exit_vocab_size else None
     decoder = decoder_for(loaded.model, pack_weights=False) if block_heads else None
     adapter = HiSpecAdapter.from_pretrained(checkpoint, decoder=decoder)
-    report = json.loads((run_dir / EVAL_NAME).read_text()) if (run_dir / EVAL_NAME).is_file() else {"untrained": {}, "history": [], "window": 0}
+    report = _read_json(run_dir / EVAL_NAME) if (run_dir / EVAL_NAME).is_file() else {"untrained": {}, "history": [], "window": 0}
     report["trained_exit_vocab_size"] = adapter.config.training.get("exit_vocab_size")  # what "trained head" was measured with
     if exit_vocab_size:
         report["exit_vocab"] = restrict_vocab(adapter, cfg, loaded, exit_vocab_size)
-    steps = json.loads((checkpoint / STATE_NAME).read_text())["step"]
+    steps = checkpoint_step(run_dir)
     adapter.config.training["steps"] = steps
     with atomic_directory(out) as tmp:
         adapter.save_pretrained(tmp)

@@ -22,21 +22,21 @@ from tqdm.auto import tqdm
 
 from hispec_decode.adapter import ExitSpec, HiSpecAdapter
 from hispec_decode.errors import HiSpecError
-from hispec_decode.files import check_writable, write_text
-from hispec_decode.models import DecoderModel, decoder_for
+from hispec_decode.files import check_writable, remove_tree, write_text
 from hispec_decode.layers.exit_heads import BaseExitHead
-from hispec_decode.models import load_base
+from hispec_decode.models import DecoderModel, decoder_for, load_base
 
-from .checkpoint import checkpoint_step, load_heads, load_optimizer, save_checkpoint
+from .checkpoint import CHECKPOINT_DIR, checkpoint_step, load_heads, load_optimizer, save_checkpoint
 from .config import TrainConfig
 from .data import build_dataset
 from .distill import Agreement, LossConfig, agreement, distillation_loss, expected_accepted
-from .report import write_eval_report
+from .report import EVAL_NAME, PLOT_NAME, write_eval_report
 from .vocab import ExitVocab, exit_vocabulary
 from .zero import check_whole, heads_config, loading_whole, master_weights, shard_base, zero_stage
 
 logger = logging.getLogger(__name__)
 CONFIG_NAME = "train_config.json"
+RESUME_KEYS = ("base", "heads_layers", "head_type", "head_options", "exit_vocab_size", "seq_len")
 
 
 class HeadsLoss(nn.Module):
@@ -117,6 +117,15 @@ def check_run_dir(cfg: TrainConfig) -> None:
                           f"--overwrite to start again from step 0")
     if run_dir.exists() and not run_dir.is_dir():
         raise HiSpecError(f"output_dir {run_dir} is a file, not a directory")
+    if cfg.resume and (run_dir / CONFIG_NAME).is_file():  # the heads must be the ones the checkpoint holds
+        try:
+            before = json.loads((run_dir / CONFIG_NAME).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise HiSpecError(f"--resume: {run_dir / CONFIG_NAME} is damaged ({exc})") from exc
+        changed = [k for k in RESUME_KEYS if k in before and before[k] != getattr(cfg, k)]
+        if changed:
+            raise HiSpecError(f"--resume: {', '.join(changed)} differ from the run being resumed "
+                              f"({', '.join(f'{k}={before[k]!r}' for k in changed)}); resume with the same values")
     check_writable(run_dir, "output_dir")
 
 
@@ -127,6 +136,10 @@ def train(cfg: TrainConfig) -> Path:
                               log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=str(run_dir))
     set_seed(cfg.seed)
     main = accelerator.is_main_process
+    if main and cfg.overwrite:  # start again: the old run's outputs go before anything new is written
+        for name in (CHECKPOINT_DIR, EVAL_NAME, PLOT_NAME):
+            remove_tree(run_dir / name)
+    accelerator.wait_for_everyone()
 
     # the frozen base, its exit machinery, and the data --------------------------------------
     stage = zero_stage(accelerator)

@@ -91,9 +91,9 @@ def test_rows_that_accept_everything_beside_rows_that_reject_everything(arch, tm
 @pytest.mark.parametrize("method", METHODS)
 def test_small_cache_preempts_and_recomputes_without_changing_a_token(method, hispec_models, alone):
     model = hispec_models["qwen3"]
-    for verify in ("eager", "gather"):
+    for schedule in ("eager", "gather"):
         out = model.generate(PROMPTS[:8], max_new_tokens=NEW, method=method, num_blocks=14, block_size=4,
-                             schedule=verify, **_kwargs(method))
+                             schedule=schedule, **_kwargs(method))
         assert out.sequences == alone["qwen3", method][:8]
         assert out.stats["preemptions"] > 0
 
@@ -119,7 +119,7 @@ def test_cache_that_cannot_hold_one_sequence_fails_clearly(hispec_models):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_verify_policies_give_the_same_tokens(method, hispec_models, alone):
+def test_gather_schedule_gives_the_same_tokens_as_alone(method, hispec_models, alone):
     out = hispec_models["opt"].generate(PROMPTS, max_new_tokens=NEW, method=method, schedule="gather", **_kwargs(method))
     assert out.sequences == alone["opt", method]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hispec_decode import CONFIG_NAME, WEIGHTS_NAME, AdapterError, HiSpecAdapter, HiSpecError
+from hispec_decode import CONFIG_NAME, WEIGHTS_NAME, AdapterError, HiSpecAdapter, HiSpecError, files
 from hispec_decode.models import loading
 from hispec_decode.tools import bench
 from hispec_decode.tools import generate as generate_cli
@@ -44,9 +44,12 @@ def test_export_refuses_a_directory_with_other_files_and_keeps_them(run_dir, tmp
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("precious")
+    (out / ".notes.hispec-v2.txt").write_text("looks like ours, is not")
     assert export_main([str(run_dir), "--out", str(out)]) == 2
     assert "holds other files" in capsys.readouterr().err
-    assert _tree(out) == {"notes.txt": b"precious"}
+    assert _tree(out) == {"notes.txt": b"precious", ".notes.hispec-v2.txt": b"looks like ours, is not"}
+    (out / "notes.txt").unlink()
+    assert export_main([str(run_dir), "--out", str(out)]) == 2  # only a look-alike left: still not ours
     assert export_main([str(run_dir), "--out", str(out), "--overwrite"]) == 0  # said explicitly: replaced
     assert set(_tree(out)) == {CONFIG_NAME, WEIGHTS_NAME, "README.md"}
 
@@ -83,7 +86,7 @@ def test_export_replaces_a_previous_export_with_identical_bytes_and_normal_permi
     assert stat.S_IMODE(out.stat().st_mode) & 0o755 == 0o755
     for name in first:
         assert stat.S_IMODE((out / name).stat().st_mode) & 0o644 == 0o644, name
-    assert not [p for p in tmp_path.iterdir() if ".hispec-" in p.name]
+    assert not [p for p in tmp_path.iterdir() if files.is_temporary(p.name)]
 
 
 # 2. the README's Python example: what apply_chat_template returns is accepted ------------------
@@ -111,8 +114,8 @@ def test_key_equals_value_overrides_keep_dashes_and_numbers():
 
 
 # 4. runs never overwrite each other ---------------------------------------------------------------
-def test_a_run_with_a_checkpoint_needs_resume_or_overwrite(run_dir, tmp_path):
-    base = {"output_dir": str(run_dir), "report_to": "none"}
+def test_a_run_with_a_checkpoint_needs_resume_or_overwrite(run_dir, trainable_base, tmp_path):
+    base = {"output_dir": str(run_dir), "report_to": "none", "base": str(trainable_base), "heads_layers": "1,3"}
     with pytest.raises(HiSpecError, match="already holds a checkpoint \\(step 3\\).*--resume.*--overwrite"):
         check_run_dir(load_config(None, base))
     check_run_dir(load_config(None, base | {"resume": "true"}))
@@ -121,6 +124,8 @@ def test_a_run_with_a_checkpoint_needs_resume_or_overwrite(run_dir, tmp_path):
         check_run_dir(load_config(None, {"output_dir": str(tmp_path / "new"), "resume": "true"}))
     with pytest.raises(HiSpecError, match="exclude each other"):
         load_config(None, base | {"resume": "true", "overwrite": "true"})
+    with pytest.raises(HiSpecError, match="heads_layers differ from the run being resumed"):
+        check_run_dir(load_config(None, base | {"resume": "true", "heads_layers": "2,4"}))
 
 
 def test_training_cli_refuses_before_loading_anything(run_dir, capsys):
@@ -165,7 +170,7 @@ def test_model_cache_cleans_up_after_a_killed_conversion_and_repairs_truncation(
     target = tmp_path / "home" / "models" / "tiny"
     target.parent.mkdir(parents=True)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    leftover = target.parent / f".tiny.hispec-new-{int(dead.stdout)}-0000"  # what a SIGKILLed conversion leaves
+    leftover = target.parent / f".tiny.hispec-new-{files.HOST}-{int(dead.stdout)}-00000000"  # a SIGKILLed conversion's
     leftover.mkdir()
     (leftover / "model.safetensors").write_bytes(b"x" * 1000)
     assert loading.cached_conversion(target, convert) == target

@@ -77,6 +77,7 @@ class HiSpecAdapterConfig:
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         path = Path(directory) / CONFIG_NAME
+        self.hispec_version = __version__  # the writer's version, whoever wrote the config first
         write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
         return path
 
@@ -143,6 +144,10 @@ def _migrate(data: dict[str, Any]) -> dict[str, Any]:
             data["exits"] = [({k: v for k, v in e.items() if k != "exit_vocab"} | {"exit_vocab_size": e["exit_vocab"]})
                              if isinstance(e, dict) and "exit_vocab" in e else e for e in exits]
         data.setdefault("hispec_version", None)  # unknown: written before versions were recorded
+        training = data.get("training")
+        if isinstance(training, dict) and "exit_vocab" in training:
+            data["training"] = {k: v for k, v in training.items() if k != "exit_vocab"} | {
+                "exit_vocab_size": training["exit_vocab"]}
     data["format_version"] = FORMAT_VERSION
     return data
 

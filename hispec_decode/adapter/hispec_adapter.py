@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import AdapterError
-from ..files import atomic_file
+from ..files import atomic_file, clean_stale
 from ..layers.exit_heads import ExitHead, build_head, check_vocab, head_class
 from .config import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, ExitHeadConfig, HiSpecAdapterConfig
 from .fingerprint import compute_fingerprint
@@ -155,6 +155,7 @@ class HiSpecAdapter(nn.Module):
 
 def _resolve(source: str | os.PathLike, revision: str | None) -> Path:
     path = Path(source)
+    clean_stale(path)  # a writer killed mid-swap may have left the previous version aside
     if path.exists():
         if not path.is_dir():
             raise AdapterError(f"{path} is a file; an adapter is a directory holding {CONFIG_NAME} and {WEIGHTS_NAME}")

@@ -71,8 +71,9 @@ def resolve_policy(config: GenerationConfig, num_layers: int, roles: dict[str, i
     roles, tuned = roles or {}, tuned or {}
     n, method = num_layers, config.method
     value = {k: getattr(config, k) if getattr(config, k) is not None else tuned.get(k) for k in TUNABLE}
-    draft_layer = value["draft_layer"] or roles.get("draft") or max(1, round(n * DEFAULT_DRAFT_FRACTION))
-    verify_layer = value["verify_layer"] or roles.get("intermediate") or max(draft_layer + 1, round(n * DEFAULT_VERIFY_FRACTION))
+    draft_layer = _first(value["draft_layer"], roles.get("draft"), max(1, round(n * DEFAULT_DRAFT_FRACTION)))
+    verify_layer = _first(value["verify_layer"], roles.get("intermediate"),
+                          max(draft_layer + 1, round(n * DEFAULT_VERIFY_FRACTION)))
     if method == "hispec" and not 1 <= draft_layer < verify_layer < n:
         raise HiSpecError(
             f"hispec needs 1 <= draft_layer < verify_layer < {n} (the full model); got draft_layer="
@@ -80,12 +81,16 @@ def resolve_policy(config: GenerationConfig, num_layers: int, roles: dict[str, i
         )
     if method == "self_spec" and not 1 <= draft_layer < n:
         raise HiSpecError(f"self_spec needs 1 <= draft_layer < {n}; got {draft_layer}")
-    window = value["window"] or DEFAULT_WINDOW
-    num_draft = value["num_draft"] or DEFAULT_NUM_DRAFT
+    window = _first(value["window"], DEFAULT_WINDOW)
+    num_draft = _first(value["num_draft"], DEFAULT_NUM_DRAFT)
     batch = tuple((int(b), float(t)) for b, t in sorted(tuned.get("batch_thresholds", {}).items(), key=lambda kv: int(kv[0])))
     if not config.batch_aware:
         batch = ()
     return Policy(draft_layer, verify_layer, window, num_draft,
-                  float(value["draft_threshold"] if value["draft_threshold"] is not None else DEFAULT_THRESHOLD),
-                  float(value["verify_threshold"] if value["verify_threshold"] is not None else DEFAULT_THRESHOLD),
-                  batch)
+                  float(_first(value["draft_threshold"], DEFAULT_THRESHOLD)),
+                  float(_first(value["verify_threshold"], DEFAULT_THRESHOLD)), batch)
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is not None."""
+    return next(v for v in values if v is not None)

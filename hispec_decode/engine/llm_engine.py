@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence as Seq
 
-from ..config import ENGINE_FIELDS, EngineConfig, GenerationConfig
+from ..config import ENGINE_FIELDS, EngineConfig, GenerationConfig, checked
 from ..decoding.policy import Policy
 from ..decoding.sampling import TokenSampler
 from ..decoding.strategies import STRATEGIES
@@ -62,8 +62,8 @@ class LLMEngine:
         """Validate and queue a prompt (token ids); it joins the running batch at the next step with
         room for it. ``overrides`` set per-request fields (``max_new_tokens``, ``do_sample``,
         ``temperature``, ``top_k``, ``top_p``, ``seed``, ``eos_token_id``). Returns its request id."""
-        config = (generation_config or self.config).update(**overrides)
-        fixed = [k for k in sorted(ENGINE_FIELDS) if getattr(config, k) != getattr(self.config, k)]
+        config = checked(generation_config or self.config, GenerationConfig, "generation_config").update(**overrides)
+        fixed = [k for k in sorted(ENGINE_FIELDS) if self._differs(config, k)]
         if fixed:
             raise HiSpecError(f"{', '.join(fixed)} is fixed per server ({self.config.method}); start another server "
                               f"with model.serve(...) to change it")
@@ -83,6 +83,14 @@ class LLMEngine:
         self.sequences[rid] = seq
         self.scheduler.add(seq)
         return rid
+
+    def _differs(self, config: GenerationConfig, key: str) -> bool:
+        """Whether a request's ``key`` asks for something else than this server does (a policy
+        field left at None, or equal to what the server resolved it to, does not)."""
+        value = getattr(config, key)
+        if hasattr(self.policy, key):
+            return value is not None and value != getattr(self.policy, key)
+        return value != getattr(self.config, key)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -72,7 +72,7 @@ class Sequence:
         self.committed = len(prompt)  # tokens[:committed] are final (prompt + verified by the full model)
         self.rng_state = self.sampler.generator.get_state()  # the sampler's state at the last commit
         self.status = Status.WAITING
-        self.finish_reason: str | None = None  # "stop" (EOS) or "length" once finished
+        self.finish_reason: str | None = None  # once finished: "stop" (EOS), "length", or "abort"
         # the scheduler's view
         self.steps: Generator[BandRequest, torch.Tensor, Any] | None = None  # the strategy's decode loop
         self.request: BandRequest | None = None  # the engine work the loop waits for

@@ -214,5 +214,5 @@ def build_head(head_type: str, hidden_size: int, norm_keys: list[str], options: 
     cls = head_class(head_type)
     try:
         return cls(hidden_size, norm_keys, **options, **({"decoder": decoder} if cls.has_cache else {}))
-    except TypeError as exc:
+    except (TypeError, ValueError, RuntimeError) as exc:  # unknown names, or values torch refuses (rank -1)
         raise AdapterError(f"bad options {options} for head type {head_type!r}: {exc}") from exc

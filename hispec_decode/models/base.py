@@ -199,14 +199,20 @@ class DecoderModel(ABC):
 
     def new_cache(self, num_blocks: int, block_size: int, extra_layers: int = 0) -> PagedKVCache:
         """A paged cache for every layer plus ``extra_layers`` (exit heads with attention)."""
+        if self.num_kv_heads < 1 or self.head_dim < 1:
+            raise NotImplementedError(f"{type(self).__name__} must set num_kv_heads and head_dim")
         element = torch.empty(0, dtype=self.dtype).element_size()
         need = 2 * (self.num_layers + extra_layers) * self.num_kv_heads * self.head_dim * element * num_blocks * block_size
         have = device_memory(self.device)
         if need > have:
             raise HiSpecError(f"a KV cache of num_blocks={num_blocks} blocks of block_size={block_size} tokens needs "
                               f"{need / 2**30:.1f} GiB; this {self.device.type} device has {have / 2**30:.1f} GiB")
-        return PagedKVCache(self.num_layers + extra_layers, self.num_kv_heads, self.head_dim, num_blocks,
-                            block_size, self.dtype, self.device)
+        try:
+            return PagedKVCache(self.num_layers + extra_layers, self.num_kv_heads, self.head_dim, num_blocks,
+                                block_size, self.dtype, self.device)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            raise HiSpecError(f"could not allocate a KV cache of num_blocks={num_blocks} blocks of block_size="
+                              f"{block_size} tokens ({need / 2**30:.1f} GiB): {exc}") from exc
 
 
 def device_memory(device: torch.device) -> int:

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from ..errors import HiSpecError
-from ..files import atomic_directory, check_writable, clean_stale
+from ..files import atomic_directory, check_writable, clean_stale, write_text
 from .registry import check_supported
 
 logger = logging.getLogger(__name__)
@@ -100,11 +100,39 @@ def cached_conversion(target: Path, convert: Callable[[Path], None]) -> Path:
 def cache_complete(target: Path) -> bool:
     """Whether ``target`` holds a finished conversion: every file its marker lists, at its size."""
     clean_stale(target)
+    if not (target / CACHE_MARKER).is_file() and _legacy_complete(target):
+        return True
     try:
         files = json.loads((target / CACHE_MARKER).read_text())["files"]
         return all((target / name).stat().st_size == size for name, size in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
+
+
+def _legacy_complete(target: Path) -> bool:
+    """A cache written before markers existed: complete if its config and every safetensors file
+    read whole; it gets a marker (when the cache is writable) so the check is cheap next time."""
+    from safetensors import safe_open
+
+    weights = sorted(target.glob("*.safetensors"))
+    if not (target / "config.json").is_file() or not weights:
+        return False
+    try:
+        json.loads((target / "config.json").read_text())
+        for path in weights:
+            with safe_open(str(path), "pt") as f:
+                for key in f.keys():
+                    f.get_slice(key)  # the header's offsets must lie inside the file
+            if path.stat().st_size < 8:
+                return False
+    except (OSError, ValueError, SafetensorError, json.JSONDecodeError):
+        return False
+    sizes = {str(p.relative_to(target)): p.stat().st_size for p in sorted(target.rglob("*")) if p.is_file()}
+    try:
+        write_text(target / CACHE_MARKER, json.dumps({"files": sizes}, indent=2, sort_keys=True))
+    except OSError:
+        pass  # a read-only cache: used as it is
+    return True
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, object]:
@@ -150,7 +178,7 @@ def _load_peft_lora(path: Path, dtype: torch.dtype) -> LoadedBase:
         from peft import PeftModel
     except ImportError as exc:
         raise HiSpecError(f"{path} is a PEFT LoRA checkpoint; install peft to load it (pip install 'hispec[peft]')") from exc
-    base_name = json.loads((path / PEFT_CONFIG).read_text()).get("base_model_name_or_path")
+    base_name = _json_object(path / PEFT_CONFIG).get("base_model_name_or_path")
     if not base_name:
         raise HiSpecError(f"{path / PEFT_CONFIG} does not name its base model (base_model_name_or_path)")
     inner = load_base(base_name, dtype)
@@ -158,6 +186,16 @@ def _load_peft_lora(path: Path, dtype: torch.dtype) -> LoadedBase:
     tokenizer = _load_tokenizer(str(path)) or inner.tokenizer
     logger.info("merged PEFT LoRA weights %s into %s", path, base_name)
     return LoadedBase(merged.eval().requires_grad_(False), tokenizer, str(path), inner.revision)
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HiSpecError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise HiSpecError(f"{path} must hold a JSON object; got {type(data).__name__}")
+    return data
 
 
 def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32") -> LoadedBase:
@@ -183,7 +221,7 @@ def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = 
         if (source.startswith((".", "/", "~")) or path.exists()) and not path.is_dir():
             raise HiSpecError(f"base model directory {source} not found")
         if (path / "config.json").is_file():  # name the architecture even if transformers does not know it
-            check_supported(str(json.loads((path / "config.json").read_text()).get("model_type")))
+            check_supported(str(_json_object(path / "config.json").get("model_type")))
         try:
             config = AutoConfig.from_pretrained(source, trust_remote_code=False)
         except (OSError, ValueError) as exc:

@@ -44,12 +44,14 @@ def add_config_args(p: argparse.ArgumentParser, cls: type, names: typing.Iterabl
     for name in names:
         f = fields[name]
         flags = [f"--{name.replace('_', '-')}", *ALIASES.get(name, [])]
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        default = p.get_default(name) if p.get_default(name) is not None else f.default
+        help_text = f"{f.metadata.get('help', '')} (default: {default})"
         if hints[name] is bool:
-            p.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            p.add_argument(*flags, dest=name, type=_parser_type(hints[name]), default=None, choices=CHOICES.get(name),
+            p.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=p.get_default(name),
                            help=help_text)
+        else:
+            p.add_argument(*flags, dest=name, type=_parser_type(hints[name]), default=p.get_default(name),
+                           choices=CHOICES.get(name), help=help_text)
 
 
 def config_overrides(args: argparse.Namespace, names: typing.Iterable[str]) -> dict[str, Any]:

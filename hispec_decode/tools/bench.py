@@ -26,7 +26,7 @@ from ..data.prompts import CHAT_PROMPTS, encode_prompt, prompt_set
 from ..engine.model_runner import BandRequest
 from ..engine.sequence import Counters, Sequence
 from ..errors import HiSpecError
-from ..files import write_text
+from ..files import check_writable, write_text
 from ..models.loading import parse_dtype
 from .args import POLICY_FIELDS, add_config_args, add_model_args, config_overrides, method_variant
 from .cli import add_debug_arg, positive_int, positive_int_list, run_cli
@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated dtypes, each benchmarked in turn")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated methods, each optionally METHOD:VARIANT: full_vocab (early exits ignore the "
-                        "heads' reduced vocabulary), eager or gather (batched verification policy)")
+                        "heads' reduced vocabulary), eager or gather (batched verification schedule)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--num-prompts", type=positive_int, default=len(CHAT_PROMPTS))
     p.add_argument("--prompts", default="builtin", choices=["builtin", "sharegpt", "humaneval", "mixed"],
@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=positive_int_list, default=None, metavar="B1,B2,...",
                    help="batched throughput at these batch sizes instead (e.g. 1,2,4,8,16; prompts: max(B) unless "
                         "--num-prompts is given)")
-    p.add_argument("--schedule", default="gather", choices=["eager", "gather"],
+    p.add_argument("--schedule", "--verify", default="gather", choices=["eager", "gather"],
                    help="batched full-verification schedule (see hispec_decode.engine.scheduler); a method may also "
                         "name its own, e.g. --methods autoregressive,hispec:eager,hispec:gather")
     p.add_argument("--max-batches", type=positive_int, default=None,
@@ -219,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, default_num_prompts: int) -> int:
     bench_config(args)  # policy values checked before loading
+    if args.json is not None:  # before minutes of measuring, not after
+        check_writable(args.json.parent, "the directory of --json")
+    if args.sweep is not None:
+        check_writable(args.sweep, "--sweep")
     if args.sweep is not None:
         return _sweep(args)
     if args.batch_sizes is not None:

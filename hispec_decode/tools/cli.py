@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..errors import HiSpecError
 
-USER_ERRORS = (HiSpecError, OSError)
+USER_ERRORS = (HiSpecError, OSError, UnicodeError)  # UnicodeError: a binary file given as text
 
 
 def add_debug_arg(p: argparse.ArgumentParser) -> None:

@@ -36,10 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", type=Path, help="a file with one prompt per line")
     src.add_argument("--prompt-ids", type=_prompt_ids, help="space-separated token ids (for bases without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="render prompts with the tokenizer's chat template")
+    p.set_defaults(max_new_tokens=128)
     add_config_args(p, GenerationConfig, GENERATION_ARGS)
     add_config_args(p, EngineConfig, ENGINE_ARGS)
     add_debug_arg(p)
-    p.set_defaults(max_new_tokens=128)
     return p
 
 
