@@ -30,8 +30,9 @@ def test_bench_runs_and_writes_json(tiny_models, tmp_path, capsys):
                        "--max-new-tokens", "12", "--json", str(out), "--draft-layer", "1", "--verify-layer", "3"]) == 0
     results = json.loads(out.read_text())
     fp32 = results["dtypes"]["float32"]["methods"]
-    assert set(fp32) == {"transformers", "autoregressive", "self_spec", "hispec"}
+    assert set(fp32) == set(bench.METHODS)
     assert all(r["matches_transformers"] == "2/2" for r in fp32.values())  # fp32 is exact
+    assert fp32["autoregressive"]["ratio_to_autoregressive"] == 1.0
     assert results["dtypes"]["float32"]["verification_wall"]["full_over_draft"] > 0
     assert "hispec" in capsys.readouterr().out
 

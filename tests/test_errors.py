@@ -32,7 +32,7 @@ def test_max_new_tokens(model):
 @pytest.mark.parametrize(
     "layers",
     [dict(draft_layer=0, verify_layer=3), dict(draft_layer=3, verify_layer=3), dict(draft_layer=4, verify_layer=2),
-     dict(draft_layer=2, verify_layer=6), dict(draft_layer=2, verify_layer=9), dict(draft_layer=-1, verify_layer=3)],
+     dict(draft_layer=2, verify_layer=7), dict(draft_layer=2, verify_layer=9), dict(draft_layer=-1, verify_layer=3)],
 )
 def test_hispec_layers_out_of_range_or_order(model, layers):
     with pytest.raises(HiSpecError, match="draft_layer < verify_layer < 6"):

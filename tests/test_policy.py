@@ -74,6 +74,19 @@ def test_thresholded_sampling_follows_the_base_distribution(small_vocab_model, t
     assert stat < _chi_square_critical(df), (stat, df)
 
 
+@pytest.mark.parametrize("arch", ["llama", "opt", "qwen3"])
+def test_hispec_without_its_middle_level_is_self_spec(arch, hispec_models, references):
+    """verify_layer = the number of layers switches the intermediate level off (a tuned policy may
+    choose it when L_i does not pay): L_d's drafts go to L_f, exactly as self_spec."""
+    model = hispec_models[arch]
+    for n, prompt in PROMPTS.items():
+        kw = dict(max_new_tokens=NEW, draft_layer=2, num_draft=3, draft_threshold=0.2)
+        hi = model.generate([prompt], method="hispec", verify_layer=model.num_layers, **kw)
+        ss = model.generate([prompt], method="self_spec", **kw)
+        assert hi.sequences[0] == ss.sequences[0] == references[arch, n]
+        assert hi.seqs[0].counters == ss.seqs[0].counters and hi.seqs[0].counters.calls_intermediate == 0
+
+
 def test_policy_thresholds_rise_with_the_batch():
     policy = Policy(2, 4, 4, 2, 0.3, 0.2, ((1, 0.0), (4, 0.5), (16, 1.5)))
     assert policy.at_batch(1) == (0.3, 0.2)

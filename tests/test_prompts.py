@@ -17,5 +17,8 @@ def test_prompt_sets():
     mixed = prompt_set("mixed", 5)
     assert len(mixed) == 5 and sum("```python" in p for p in mixed) >= 2
     assert prompt_set("sharegpt", 4) == share  # seeded: the same prompts every run
+    assert prompt_set("sharegpt", 4, seed=1) != share  # tuning draws others than the benchmarks
+    plain = prompt_set("continuation", 3)
+    assert len(plain) == 3 and all(200 < len(t) <= 400 for t in plain)
     with pytest.raises(HiSpecError, match="unknown prompt set"):
         prompt_set("mmlu", 2)

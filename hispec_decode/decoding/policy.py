@@ -74,10 +74,10 @@ def resolve_policy(config: GenerationConfig, num_layers: int, roles: dict[str, i
     draft_layer = _first(value["draft_layer"], roles.get("draft"), max(1, round(n * DEFAULT_DRAFT_FRACTION)))
     verify_layer = _first(value["verify_layer"], roles.get("intermediate"),
                           max(draft_layer + 1, round(n * DEFAULT_VERIFY_FRACTION)))
-    if method == "hispec" and not 1 <= draft_layer < verify_layer < n:
+    if method == "hispec" and not 1 <= draft_layer < verify_layer <= n:
         raise HiSpecError(
-            f"hispec needs 1 <= draft_layer < verify_layer < {n} (the full model); got draft_layer="
-            f"{draft_layer}, verify_layer={verify_layer}"
+            f"hispec needs 1 <= draft_layer < verify_layer < {n} (the full model; or verify_layer = {n}: no "
+            f"intermediate level); got draft_layer={draft_layer}, verify_layer={verify_layer}"
         )
     if method == "self_spec" and not 1 <= draft_layer < n:
         raise HiSpecError(f"self_spec needs 1 <= draft_layer < {n}; got {draft_layer}")

@@ -103,15 +103,22 @@ class SelfSpec(Strategy):
 class HiSpec(Strategy):
     """``L_d`` drafts up to ``k_d`` confident tokens; ``L_i`` checks them and adds its own token;
     while ``L_i``'s confidence in the tentative tokens holds (up to ``N_i`` of them), rounds
-    continue; then ``L_f`` verifies them all in one pass, treating ``L_i`` as the proposal."""
+    continue; then ``L_f`` verifies them all in one pass, treating ``L_i`` as the proposal.
+    A policy whose intermediate exit is the full model (``verify_layer`` = the number of layers)
+    switches the middle level off: ``L_d``'s drafts go straight to ``L_f`` (``self_spec``)."""
 
     name = "hispec"
 
     def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
+        if policy.verify_layer >= num_layers:
+            return SelfSpec().exits(policy, num_layers)
         return (policy.draft_layer, policy.verify_layer, num_layers)
 
     def decode(self, seq: Sequence) -> Steps:
         policy = seq.policy
+        if len(seq.exits) == 2:  # no intermediate level
+            yield from SelfSpec().decode(seq)
+            return
         while not seq.is_finished:
             draft_threshold, verify_threshold = policy.at_batch(seq.batch_size)
             if draft_threshold > 1 and verify_threshold > 1:  # speculation cannot pay at this batch size

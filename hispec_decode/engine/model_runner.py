@@ -60,13 +60,16 @@ class ModelRunner:
         for r in requests:  # reserve first: running out of blocks changes no token
             cache.copy_blocks(cache.manager.reserve(r.seq.seq_id, len(r.seq.tokens)))
         at_top: list[torch.Tensor | None] = [None] * len(requests)
-        for band in range(max(r.top_band for r in requests) + 1):
+        top, band = max(r.top_band for r in requests), 0
+        while band <= top:
             group = [(i, r.seq) for i, r in enumerate(requests)
                      if r.top_band >= band and r.seq.processed(band) < len(r.seq.tokens)]
             if not group:
+                band += 1
                 continue
+            last = self._merge(requests, group, band, top)  # bands band..last run as one slice
             exits = group[0][1].exits
-            lo, hi = (exits[band - 1] if band else 0), exits[band]
+            lo, hi = (exits[band - 1] if band else 0), exits[last]
             spans = [(st.seq_id, st.processed(band), len(st.tokens) - st.processed(band)) for _, st in group]
             meta = self.decoder.meta(cache, spans)
             if band == 0:
@@ -80,14 +83,35 @@ class ModelRunner:
             head = self.heads.get(hi)
             g = head.extend(h, meta, cache, self.head_cache_layer[hi], self.decoder) if hi in self.head_cache_layer else h
             for (i, st), (_, start, n), seg in zip(group, spans, meta.segments):
-                cache.manager.set_length(st.seq_id, band, start + n)
+                for b in range(band, last + 1):
+                    cache.manager.set_length(st.seq_id, b, start + n)
                 rows = slice(seg.offset, seg.offset + n)
-                if band < len(st.pending):
-                    prev = st.pending[band]
-                    st.pending[band] = h[:, rows] if prev is None else torch.cat([prev, h[:, rows]], dim=1)
-                if requests[i].top_band == band:
+                if last < len(st.pending):
+                    prev = st.pending[last]
+                    st.pending[last] = h[:, rows] if prev is None else torch.cat([prev, h[:, rows]], dim=1)
+                if requests[i].top_band == last:
                     at_top[i] = g[:, rows]
+            band = last + 1
         return self._logits(requests, at_top)
+
+    def _merge(self, requests: list[BandRequest], group: list[tuple[int, Sequence]], band: int, top: int) -> int:
+        """The highest band that can run in one slice with ``band``: the same sequences need it over
+        the same new tokens, nobody wants logits or a head's cache at the exits in between, and
+        nothing waits there from before. One call instead of several (plain decoding through a
+        hierarchy's bands, the lower bands of a verification)."""
+        last = band
+        members = {i for i, _ in group}
+        while last < top:
+            exit_layer = group[0][1].exits[last]
+            if exit_layer in self.head_cache_layer or any(requests[i].top_band == last for i in members):
+                break
+            upper = {i for i, r in enumerate(requests) if r.top_band > last
+                     and r.seq.processed(last + 1) < len(r.seq.tokens)}
+            if upper != members or any(st.processed(last + 1) != st.processed(band) or st.pending[last] is not None
+                                       for _, st in group):
+                break
+            last += 1
+        return last
 
     def _logits(self, requests: list[BandRequest], at_top: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """One exit call per exit layer over the requested rows of every sequence."""

@@ -59,17 +59,40 @@ def config_overrides(args: argparse.Namespace, names: typing.Iterable[str]) -> d
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
+FIXED = {"draft_threshold": 0.0, "verify_threshold": 0.0, "batch_aware": False}
+VARIANTS = {
+    "paper": FIXED | {"window": 4, "num_draft": 2},  # the paper's fixed policy: N_i = 4, k_d = 2
+    "fixed": FIXED | {"window": 2, "num_draft": 1},  # the best fixed policy of the sweep (docs/sweep-bfloat16.md)
+    "full_vocab": {"use_exit_vocab": False},
+}
+
+
+def variant_for(model: Any, spec: str, config: Any) -> dict[str, Any]:
+    """:func:`method_variant` for ``model``: a fixed policy (``paper``, ``fixed``) runs on the adapter's
+    own draft and intermediate exits, not on the layers its tuned policy may have moved to, unless
+    the command line named the layers."""
+    overrides = method_variant(spec)
+    variant = spec.partition(":")[2]
+    if variant in ("paper", "fixed") and model.adapter is not None:
+        roles = model.adapter.config
+        for key, role in (("draft_layer", "draft"), ("verify_layer", "intermediate")):
+            if getattr(config, key) is None and roles.layer_for(role) is not None:
+                overrides[key] = roles.layer_for(role)
+    return overrides
+
+
 def method_variant(spec: str) -> dict[str, Any]:
-    """``method[:variant]`` (a benchmark's method spec) -> generation overrides: the variants
-    ``eager``/``gather`` set the batched verification schedule, ``full_vocab`` makes early exits
-    ignore the heads' reduced vocabularies."""
+    """``method[:variant]`` (a benchmark's method spec) -> generation overrides: ``eager``/``gather``
+    set the batched verification schedule, ``full_vocab`` makes early exits ignore the heads'
+    reduced vocabularies, ``paper`` is the paper's fixed policy (N_i = 4, k_d = 2, no confidence
+    gates), ``fixed`` the best fixed policy of the sweep (k = 1, N_i = 2, no gates)."""
     method, _, variant = spec.partition(":")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} in {spec!r}; choose from {', '.join(METHODS)}")
     if variant in SCHEDULES:
         return {"method": method, "schedule": variant}
-    if variant == "full_vocab":
-        return {"method": method, "use_exit_vocab": False}
+    if variant in VARIANTS:
+        return {"method": method} | VARIANTS[variant]
     if variant:
-        raise ValueError(f"unknown method variant {variant!r} in {spec!r} (eager, gather, full_vocab)")
+        raise ValueError(f"unknown method variant {variant!r} in {spec!r} ({', '.join([*SCHEDULES, *VARIANTS])})")
     return {"method": method}

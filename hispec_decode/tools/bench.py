@@ -22,17 +22,17 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import GenerationConfig
-from ..data.prompts import CHAT_PROMPTS, encode_prompt, prompt_set
+from ..data.prompts import CHAT_FREE, CHAT_PROMPTS, PROMPT_SETS, encode_prompt, prompt_set
 from ..engine.model_runner import BandRequest
 from ..engine.sequence import Counters, Sequence
 from ..errors import HiSpecError
-from ..files import check_writable, write_text
+from ..files import atomic_file, check_writable, write_text
 from ..models.loading import parse_dtype
-from .args import POLICY_FIELDS, add_config_args, add_model_args, config_overrides, method_variant
+from .args import POLICY_FIELDS, add_config_args, add_model_args, config_overrides, method_variant, variant_for
 from .cli import add_debug_arg, positive_int, positive_int_list, run_cli
 
 logger = logging.getLogger(__name__)
-METHODS = ("transformers", "autoregressive", "self_spec", "hispec")
+METHODS = ("transformers", "autoregressive", "self_spec", "self_spec:fixed", "hispec", "hispec:fixed", "hispec:paper")
 
 
 @dataclass
@@ -44,13 +44,17 @@ class Tally:
     counters: Counters = field(default_factory=Counters)
     outputs: list[list[int]] = field(default_factory=list)
 
-    def row(self, baseline: Tally | None) -> dict[str, Any]:
+    def tps(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds else None
+
+    def row(self, baseline: Tally | None, plain: Tally | None = None) -> dict[str, Any]:
         c = self.counters
-        tps = self.tokens / self.seconds if self.seconds else 0.0
-        base_tps = baseline.tokens / baseline.seconds if baseline and baseline.seconds else None
+        tps = self.tps() or 0.0
+        base_tps, ar_tps = baseline and baseline.tps(), plain and plain.tps()
         return {
             "tokens": self.tokens, "seconds": round(self.seconds, 4), "tokens_per_second": round(tps, 3),
             "ratio_to_transformers": round(tps / base_tps, 3) if base_tps else None,
+            "ratio_to_autoregressive": round(tps / ar_tps, 3) if ar_tps else None,
             "acceptance_intermediate": round(c.accepted_intermediate / c.drafted, 4) if c.drafted else None,
             "acceptance_final": round(c.accepted_final / c.tentative, 4) if c.tentative else None,
             "tokens_per_full_call": round(self.tokens / c.calls_full, 3) if c.calls_full else None,
@@ -93,7 +97,8 @@ def verification_wall(model, policy, prompt: list[int], reps: int = 10) -> dict[
 def bench_prompts(model, n: int, prompt_set_name: str = "builtin") -> list[list[int]]:
     """Chat prompts rendered with the tokenizer, or seeded random ids for a base without one."""
     if model.tokenizer is not None:
-        return [encode_prompt(model.tokenizer, t) for t in prompt_set(prompt_set_name, n)]
+        chat = prompt_set_name not in CHAT_FREE
+        return [encode_prompt(model.tokenizer, t, chat=chat) for t in prompt_set(prompt_set_name, n)]
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, model.decoder.vocab_size, (8 + 5 * i,), generator=g).tolist() for i in range(n)]
 
@@ -111,7 +116,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         tallies = {m: Tally() for m in methods}
         for m in methods:  # warm-up: first calls allocate and tune kernels
             if m != "transformers":
-                model.generate([prompts[0]], config, max_new_tokens=8, **method_variant(m))
+                model.generate([prompts[0]], config, max_new_tokens=8, **variant_for(model, m, config))
             else:
                 _hf_generate(model, prompts[0], 8)
         for i, prompt in enumerate(tqdm(prompts, desc=f"bench {dtype}", unit="prompt")):
@@ -121,7 +126,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     tokens = _hf_generate(model, prompt, args.max_new_tokens)
                     counters = Counters()
                 else:
-                    (seq,) = model.generate([prompt], config, **method_variant(m)).seqs
+                    (seq,) = model.generate([prompt], config, **variant_for(model, m, config)).seqs
                     tokens, counters = seq.new_tokens, seq.counters
                 tally = tallies[m]
                 tally.seconds += time.perf_counter() - t0
@@ -135,7 +140,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 tally.matches = sum(a == b for a, b in zip(tally.outputs, baseline.outputs))
         policy = model.policy(config, method="hispec")
         results["dtypes"][dtype] = {
-            "methods": {m: t.row(baseline) for m, t in tallies.items()},
+            "methods": {m: t.row(baseline, tallies.get("autoregressive")) for m, t in tallies.items()},
             "policy": asdict(policy) | {"self_spec_num_draft": model.policy(config, method="self_spec").num_draft},
             "verification_wall": verification_wall(model, policy, prompts[0]),
         }
@@ -145,13 +150,15 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def format_table(results: dict[str, Any]) -> str:
     lines = []
     width = max([15, *(len(m) for res in results["dtypes"].values() for m in res["methods"])])
-    head = f"{'dtype':9} {'method':{width}} {'tok/s':>8} {'x HF':>6} {'acc L_i':>8} {'acc L_f':>8} {'tok/full':>9} {'= HF':>7}"
+    head = (f"{'dtype':9} {'method':{width}} {'tok/s':>8} {'x HF':>6} {'x AR':>6} {'acc L_i':>8} {'acc L_f':>8} "
+            f"{'tok/full':>9} {'= HF':>7}")
     for dtype, res in results["dtypes"].items():
         lines += [head, "-" * len(head)]
         for m, r in res["methods"].items():
             def f(x, pct=False):
                 return "-" if x is None else (f"{100 * x:.1f}%" if pct else f"{x:.2f}")
             lines.append(f"{dtype:9} {m:{width}} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
+                         f"{f(r.get('ratio_to_autoregressive')):>6} "
                          f"{f(r['acceptance_intermediate'], True):>8} {f(r['acceptance_final'], True):>8} "
                          f"{f(r['tokens_per_full_call']):>9} {r['matches_transformers']:>7}")
         w = res["verification_wall"]
@@ -169,12 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated dtypes, each benchmarked in turn")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated methods, each optionally METHOD:VARIANT: full_vocab (early exits ignore the "
-                        "heads' reduced vocabulary), eager or gather (batched verification schedule)")
+                        "heads' reduced vocabulary), eager or gather (batched verification schedule), paper (N_i=4, "
+                        "k_d=2, no confidence gates), fixed (k=1, N_i=2, no gates); plain hispec/self_spec use the "
+                        "adapter's tuned policy")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--num-prompts", type=positive_int, default=len(CHAT_PROMPTS))
-    p.add_argument("--prompts", default="builtin", choices=["builtin", "sharegpt", "humaneval", "mixed"],
-                   help="prompt set: built-in chat prompts, ShareGPT first turns, HumanEval problems, or half/half")
+    p.add_argument("--prompts", default="builtin", choices=PROMPT_SETS,
+                   help="prompt set: built-in chat prompts, ShareGPT first turns, HumanEval problems, half/half "
+                        "(mixed), or plain text to continue without the chat template (continuation)")
     p.add_argument("--json", type=Path, default=None, help="write the numbers to this file")
+    p.add_argument("--plot", type=Path, default=None, help="draw tokens/s and tokens per full pass per method (PNG)")
     p.add_argument("--sweep", type=Path, nargs="?", const=Path("docs"), default=None, metavar="DIR",
                    help="sweep hispec/self_spec policies instead (JSON, table and plot per dtype to DIR, default docs/)")
     p.add_argument("--batch-sizes", type=positive_int_list, default=None, metavar="B1,B2,...",
@@ -219,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, default_num_prompts: int) -> int:
     bench_config(args)  # policy values checked before loading
-    if args.json is not None:  # before minutes of measuring, not after
-        check_writable(args.json.parent, "the directory of --json")
+    for output in (args.json, args.plot):  # before minutes of measuring, not after
+        if output is not None:
+            check_writable(output.parent, f"the directory of {output}")
     if args.sweep is not None:
         check_writable(args.sweep, "--sweep")
     if args.sweep is not None:
@@ -230,7 +242,41 @@ def _run(args: argparse.Namespace, default_num_prompts: int) -> int:
     results = run_benchmark(args)
     print(format_table(results))
     write_json(args.json, results)
+    if args.plot is not None:
+        plot_methods(results, args.plot)
+        print(f"wrote {args.plot}")
     return 0
+
+
+def plot_methods(results: dict[str, Any], path: Path) -> None:
+    """Per dtype: tokens/s of each method (bars, with the ratio to autoregressive) and accepted
+    tokens per full-model pass."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = list(results["dtypes"])
+    fig, axes = plt.subplots(len(dtypes), 2, figsize=(12, 3.6 * len(dtypes)), squeeze=False)
+    for (ax1, ax2), dtype in zip(axes, dtypes):
+        rows = results["dtypes"][dtype]["methods"]
+        names = list(rows)
+        ax1.barh(names, [rows[m]["tokens_per_second"] for m in names], color="tab:blue")
+        for y, m in enumerate(names):
+            ratio = rows[m].get("ratio_to_autoregressive")
+            if ratio:
+                ax1.text(rows[m]["tokens_per_second"], y, f" {ratio:.2f}x AR", va="center", fontsize=8)
+        ax1.set_xlabel("tokens/s")
+        ax1.set_title(f"{dtype}: decoding speed (batch 1)")
+        ax2.barh(names, [rows[m]["tokens_per_full_call"] or 0 for m in names], color="tab:green")
+        ax2.set_xlabel("tokens per full-model pass")
+        ax2.set_title(f"{dtype}: tokens per full pass")
+        ax1.invert_yaxis()
+        ax2.invert_yaxis()
+    fig.tight_layout()
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)
 
 
 def write_json(path: Path | None, results: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from ..config import DEFAULT_SCHEDULE, GenerationConfig
 from ..engine.sequence import Counters
-from .args import method_variant
+from .args import variant_for
 
 
 @dataclass
@@ -78,7 +78,7 @@ def run_batched(model, prompts: list[list[int]], batch_sizes: list[int], config:
 def _decode(model, spec: str, batch: list[list[int]], config: GenerationConfig, eos: frozenset[int], schedule: str):
     if spec == "transformers":
         return hf_generate_padded(model, batch, config.max_new_tokens, eos), None
-    out = model.generate(batch, config, **({"schedule": schedule} | method_variant(spec)))
+    out = model.generate(batch, config, **({"schedule": schedule} | variant_for(model, spec, config)))
     return out.sequences, out
 
 

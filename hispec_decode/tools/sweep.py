@@ -26,6 +26,8 @@ SELF_SPEC_DRAFTS = (1, 2, 3, 4, 6)
 
 
 def label(c: GenerationConfig) -> str:
+    if c.method != "autoregressive" and c.draft_layer is None:
+        return f"{c.method} (adapter's tuned policy)"
     if c.method == "hispec":
         return f"hispec L{c.draft_layer}/L{c.verify_layer} k_d={c.num_draft} N_i={c.window}"
     if c.method == "self_spec":
@@ -38,7 +40,7 @@ def grid(p: Policy, max_new_tokens: int) -> list[GenerationConfig]:
     def config(method: str, **policy: int) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=max_new_tokens, method=method, **policy)
 
-    configs = [config("autoregressive")]
+    configs = [config("autoregressive"), config("hispec"), config("self_spec")]  # the last two: tuned (adapter's policy)
     configs += [config("hispec", draft_layer=p.draft_layer, verify_layer=p.verify_layer, window=w, num_draft=k)
                 for k, w in product(HISPEC_DRAFTS, HISPEC_WINDOWS)]
     configs += [config("self_spec", draft_layer=d, num_draft=k)
@@ -93,7 +95,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, tag: str) -> None:
     import numpy as np
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    hs = [r for r in rows if r["method"] == "hispec"]
+    hs = [r for r in rows if r["method"] == "hispec" and r["num_draft"] is not None]
     grid_ = np.array([[next(r["speedup_vs_autoregressive"] for r in hs if r["num_draft"] == k and r["window"] == w)
                        for w in HISPEC_WINDOWS] for k in HISPEC_DRAFTS])
     im = ax1.imshow(grid_, cmap="RdYlGn", vmin=min(0.5, grid_.min()), vmax=max(1.5, grid_.max()))
@@ -105,7 +107,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, tag: str) -> None:
         ax1.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
     ax1.set_title(f"hispec speed-up vs autoregressive ({tag})")
     fig.colorbar(im, ax=ax1)
-    ss = [r for r in rows if r["method"] == "self_spec"]
+    ss = [r for r in rows if r["method"] == "self_spec" and r["draft_layer"] is not None]
     for layer in sorted({r["draft_layer"] for r in ss}):
         pts = [r for r in ss if r["draft_layer"] == layer]
         ax2.plot([r["num_draft"] for r in pts], [r["speedup_vs_autoregressive"] for r in pts], marker="o", label=f"L_d={layer}")

@@ -1,0 +1,107 @@
+"""``hispec-tune``: choose the decoding policy for an adapter on this machine and store it with it.
+
+    hispec-tune --heads DIR [--base B] [--dtypes bfloat16,float32] [--prompts mixed] [--num-prompts 8]
+
+Measures band-pass costs and each exit's confidence against its acceptance on calibration prompts
+(drawn with another seed than the benchmarks'), replays a grid of policies under that cost model,
+confirms the best few by real decoding, and writes the chosen ``hispec`` and ``self_spec``
+policies, per dtype, with the measurements that chose them, into ``DIR/hispec_config.json``
+(atomically; the heads are not touched). ``generate``, ``serve``, the CLIs and the demo use them
+by default; explicit arguments override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from ..adapter import CONFIG_NAME, HiSpecAdapterConfig
+from ..data.prompts import PROMPT_SETS
+from ..errors import HiSpecError
+from .args import add_model_args
+from .cli import add_debug_arg, positive_int, run_cli
+
+CALIBRATION_SEED = 1  # the benchmarks draw their prompts with seed 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hispec-tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated dtypes, each tuned in turn")
+    p.add_argument("--prompts", default="mixed", choices=PROMPT_SETS)
+    p.add_argument("--num-prompts", type=positive_int, default=8)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--confirm", type=positive_int, default=4, help="best predicted policies decoded for real")
+    p.add_argument("--json", type=Path, default=None, help="also write the measurements to this file")
+    p.add_argument("--report", type=Path, default=None, help="also write a Markdown report (predicted vs measured)")
+    add_debug_arg(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run_cli("hispec-tune", lambda: _run(args), args.debug)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..api import DEFAULT_HEADS_DIR, HiSpecModel
+    from ..data.prompts import CHAT_FREE, encode_prompt, prompt_set
+    from ..files import write_text
+    from ..tuning import tune
+
+    heads = Path(args.heads) if args.heads is not None else (DEFAULT_HEADS_DIR if args.base is None else None)
+    if heads is None or not (heads / CONFIG_NAME).is_file():
+        raise HiSpecError("--heads must be a local adapter directory (the tuned policy is written into it)")
+    results = {}
+    for dtype in args.dtypes.split(","):
+        model = HiSpecModel.from_pretrained(args.base, str(heads), dtype=dtype)
+        if model.tokenizer is None:
+            raise HiSpecError("tuning needs the base's tokenizer for its calibration prompts")
+        prompts = [encode_prompt(model.tokenizer, t, chat=args.prompts not in CHAT_FREE)
+                   for t in prompt_set(args.prompts, args.num_prompts, CALIBRATION_SEED)]
+        results[dtype] = tune(model, prompts, args.max_new_tokens, args.confirm)
+        config = HiSpecAdapterConfig.from_pretrained(heads)  # re-read: only the policy section changes
+        config.policy[str(model.decoder.dtype).removeprefix("torch.")] = results[dtype]
+        config.save_pretrained(heads)
+        for row in results[dtype]["measurements"]["confirmed"]:
+            print(f"{dtype:9} {row['config']:60} predicted {row['predicted_tokens_per_second']:7.1f} tok/s, "
+                  f"measured {row['measured_tokens_per_second']:7.1f} tok/s")
+        print(f"{dtype}: hispec policy {results[dtype]['hispec']}")
+    if args.json is not None:
+        write_text(args.json, json.dumps(results, indent=2, sort_keys=True) + "\n")
+    if args.report is not None:
+        write_text(args.report, report_markdown(results))
+    print(f"wrote the tuned policies into {heads / CONFIG_NAME}")
+    return 0
+
+
+def report_markdown(results: dict) -> str:
+    """The tuning of each dtype as Markdown: predicted against measured tokens/s of the confirmed
+    configurations, the chosen policies and the batch thresholds."""
+    lines = ["# Tuning report (written by `hispec-tune --report`)", ""]
+    for dtype, result in results.items():
+        m = result["measurements"]
+        lines += [f"## {dtype}", "", f"{m['prompts']} calibration prompts, {m['max_new_tokens']} new tokens, "
+                  f"tuned on {m['tuned_on']}.", "",
+                  "| configuration | predicted tok/s | measured tok/s |", "|---|---|---|"]
+        lines += [f"| {r['config']} | {r['predicted_tokens_per_second']:.1f} | {r['measured_tokens_per_second']:.1f} |"
+                  for r in m["confirmed"]]
+        chosen = {k: v for k, v in result["hispec"].items() if k != "batch_thresholds"}
+        lines += ["", f"Chosen `hispec` policy: `{chosen}`", "",
+                  f"Chosen `self_spec` policy: `{ {k: v for k, v in result['self_spec'].items() if k != 'batch_thresholds'} }`",
+                  "", "Batch thresholds (the acceptance a speculated token needs at that batch size; 1.5: none):",
+                  "", "| batch | " + " | ".join(result["hispec"]["batch_thresholds"]) + " |",
+                  "|---" * (1 + len(result["hispec"]["batch_thresholds"])) + "|",
+                  "| threshold | " + " | ".join(f"{v:g}" for v in result["hispec"]["batch_thresholds"].values()) + " |",
+                  "", "Best predicted configurations:", "", "| configuration | predicted tok/s |", "|---|---|"]
+        lines += [f"| {r['config']} | {r['tokens_per_second']:.1f} |" for r in m["top_predicted"]]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""``tune``: choose a policy for an adapter on this machine, from measurements (docs/policy.md).
+
+1. Calibration: the base model decodes the prompts greedily; one forward pass per prompt records
+   every exit's top token and probability at every position (:mod:`.simulate`).
+2. Costs: band passes and exit heads are timed against their rows (:mod:`.costs`).
+3. Search: every configuration of a grid (exit layers among the adapter's heads, ``num_draft``,
+   ``window``, both thresholds) is replayed on the traces under the cost model, which predicts
+   its tokens per second.
+4. Confirmation: the best few, the best ``self_spec``, the paper's fixed policy and plain decoding
+   decode the prompts for real, side by side; the best measured ``hispec`` policy wins.
+5. Batch: from the measured costs, the acceptance a speculated token needs to pay for its rows
+   in a batch of B sequences; above what the exits ever reach, the policy stops speculating.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ..decoding.policy import Policy
+from .costs import SEQS, CostModel, measure_costs
+from .simulate import Trace, precision_above, record_trace, replay
+
+logger = logging.getLogger(__name__)
+
+DRAFTS = (1, 2, 3, 4)
+WINDOWS = (1, 2, 3, 4, 6, 8)
+SPECULATION_OFF = 1.5  # a threshold above 1: never speculate
+DRAFT_THRESHOLDS = (0.0, 0.4, 0.6, 0.8, 0.95, SPECULATION_OFF)
+VERIFY_THRESHOLDS = (0.0, 0.2, 0.4, 0.6, 0.8, SPECULATION_OFF)
+PAPER = {"window": 4, "num_draft": 2, "draft_threshold": 0.0, "verify_threshold": 0.0}  # N_i = 4, k_d = 2
+
+
+@dataclass(frozen=True)
+class Candidate:
+    method: str
+    policy: Policy
+    num_layers: int = 0  # the model's, when the policy may name it as its intermediate exit (no middle level)
+
+    def kwargs(self) -> dict[str, Any]:
+        p = self.policy
+        return {"method": self.method, "draft_layer": p.draft_layer, "verify_layer": p.verify_layer,
+                "window": p.window, "num_draft": p.num_draft, "draft_threshold": p.draft_threshold,
+                "verify_threshold": p.verify_threshold, "batch_aware": False}
+
+    def label(self) -> str:
+        p = self.policy
+        if self.method == "hispec" and self.num_layers and p.verify_layer >= self.num_layers:
+            return f"hispec L{p.draft_layer}/L{p.verify_layer}: no middle level, k<={p.num_draft} tau_d={p.draft_threshold:g}"
+        if self.method == "hispec":
+            return (f"hispec L{p.draft_layer}/L{p.verify_layer} k_d<={p.num_draft} N_i<={p.window} "
+                    f"tau_d={p.draft_threshold:g} tau_v={p.verify_threshold:g}")
+        if self.method == "self_spec":
+            return f"self_spec L{p.draft_layer} k<={p.num_draft} tau_d={p.draft_threshold:g}"
+        return self.method
+
+
+def candidates(layers: list[int], num_layers: int) -> list[Candidate]:
+    """The grid: hispec over every ordered pair of exit layers, self_spec over every exit layer."""
+    out = []
+    for (d, i), k, w, td, tv in itertools.product(itertools.combinations(sorted(layers), 2), DRAFTS, WINDOWS,
+                                                  DRAFT_THRESHOLDS, VERIFY_THRESHOLDS):
+        if (td == SPECULATION_OFF and k > 1) or (td == tv == SPECULATION_OFF and w > 1):
+            continue  # the same policy as one already in the grid (no drafts: k_d is moot; off: so is N_i)
+        out.append(Candidate("hispec", Policy(d, i, w, k, td, tv)))
+    for d, k, td in itertools.product(sorted(layers), (1, 2, 3, 4, 6), DRAFT_THRESHOLDS):
+        if td == SPECULATION_OFF and k > 1:
+            continue
+        out.append(Candidate("self_spec", Policy(d, d + 1, 1, k, td, 0.0)))
+        # hispec without its middle level (verify_layer = the full model): L_d's drafts go to L_f
+        out.append(Candidate("hispec", Policy(d, num_layers, 1, k, td, 0.0), num_layers))
+    return out
+
+
+def predict(candidate: Candidate, traces: list[Trace], costs: CostModel, num_layers: int,
+            eos: frozenset[int]) -> dict[str, float]:
+    tokens = seconds = 0.0
+    for trace in traces:
+        r = replay(trace, candidate.method, candidate.policy, costs, num_layers, eos)
+        tokens += r.tokens
+        seconds += r.seconds
+    return {"tokens_per_second": tokens / seconds, "seconds": seconds, "tokens": tokens}
+
+
+def batch_thresholds(costs: CostModel, num_layers: int, cap: float) -> dict[str, float]:
+    """Per batch size, the acceptance at which one more row per step pays: the extra row's cost
+    over the cost per token of a plain step; above ``cap`` (what the exits reach) speculation stops."""
+    out, floor = {"1": 0.0}, 0.0
+    for b in SEQS[1:]:
+        step = costs.full_step(num_layers, b)
+        marginal = costs.full_step(num_layers, b + 1) - step
+        floor = max(floor, marginal / (step / b))  # never lower in a bigger batch (timing noise aside)
+        out[str(b)] = round(floor, 3) if floor <= cap else SPECULATION_OFF
+    return out
+
+
+def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confirm: int = 4) -> dict[str, Any]:
+    """The chosen ``hispec`` and ``self_spec`` policies for ``model``'s adapter and dtype, with the
+    measurements that chose them (what ``hispec-tune`` writes into ``hispec_config.json``)."""
+    n = model.num_layers
+    layers = sorted(e.layer for e in model.adapter.config.exits) if model.adapter is not None else \
+        [model.policy(method="hispec").draft_layer, model.policy(method="hispec").verify_layer]
+    eos = model.decoder.default_eos_ids()
+    logger.info("calibration: decoding %d prompts", len(prompts))
+    plain = model.generate(prompts, max_new_tokens=max_new_tokens, method="autoregressive")
+    traces = [record_trace(model.runner, model.base_model, p, c, layers, max_new_tokens)
+              for p, c in zip(prompts, plain.sequences)]
+    logger.info("costs: timing band passes and exit heads")
+    costs = measure_costs(model.runner, layers)
+    costs.request = request_overhead(model, prompts[:2], max_new_tokens, costs)
+    costs.speculative_request = speculative_overhead(model, prompts[:2], traces[:2], layers, costs, eos)
+    ar_predicted = sum(len(t.tokens) - t.prompt_length for t in traces) / sum(
+        costs.full_step(n, 1) * (len(t.tokens) - t.prompt_length) for t in traces)
+    scored = [(c, predict(c, traces, costs, n, eos)) for c in tqdm(candidates(layers, n), desc="replaying policies")]
+    scored.sort(key=lambda cs: -cs[1]["tokens_per_second"])
+    best_hispec = [c for c, _ in scored if c.method == "hispec"][:confirm]
+    best_self = next(c for c, _ in scored if c.method == "self_spec")
+    d, i = layers[0], layers[min(1, len(layers) - 1)]
+    paper = Candidate("hispec", Policy(d, i, **{"window": PAPER["window"], "num_draft": PAPER["num_draft"]}))
+    off = Candidate("hispec", Policy(d, i, 1, 1, SPECULATION_OFF, SPECULATION_OFF))  # plain decoding through the bands
+    if off not in best_hispec:  # always measured: where nothing pays, the policy stops speculating
+        best_hispec.append(off)
+    confirmed = confirm_by_decoding(model, prompts, max_new_tokens, [*best_hispec, best_self, paper])
+    predicted = dict((c.label(), s) for c, s in scored)
+    chosen = max(best_hispec, key=lambda c: confirmed[c.label()])
+    chosen_self = best_self
+    cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
+    thresholds = batch_thresholds(costs, n, cap)
+    rows = [{"config": c.label(), "predicted_tokens_per_second": round(predicted[c.label()]["tokens_per_second"], 2),
+             "measured_tokens_per_second": round(confirmed[c.label()], 2)} for c in [*best_hispec, best_self, paper]]
+    rows.append({"config": "autoregressive", "predicted_tokens_per_second": round(ar_predicted, 2),
+                 "measured_tokens_per_second": round(confirmed["autoregressive"], 2)})
+    report = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "confirmed": rows,
+              "top_predicted": [{"config": c.label(), **{k: round(v, 3) for k, v in s.items()}} for c, s in scored[:10]],
+              "costs": costs.to_dict(), "precision_at_0.9": cap, "tuned_on": time.strftime("%Y-%m-%d")}
+    self_spec = {k: v for k, v in _policy_dict(chosen_self.policy).items() if k not in ("verify_layer", "window",
+                                                                                       "verify_threshold")}
+    return {"hispec": _policy_dict(chosen.policy) | {"batch_thresholds": thresholds},
+            "self_spec": self_spec | {"batch_thresholds": thresholds}, "measurements": report}
+
+
+def request_overhead(model: Any, prompts: list[list[int]], max_new_tokens: int, costs: CostModel) -> float:
+    """What a real decoding step costs beyond its band pass and exit head (plain decoding makes one
+    engine request per token): measured on a few prompts alone, charged to every replayed request."""
+    model.generate([prompts[0]], max_new_tokens=4, method="autoregressive")  # warm-up
+    tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        out = model.generate([prompt], max_new_tokens=max_new_tokens, method="autoregressive")
+        seconds += time.perf_counter() - t0
+        tokens += len(out.sequences[0])
+    return max(0.0, seconds / tokens - costs.full_step(model.num_layers, 1))
+
+
+def speculative_overhead(model: Any, prompts: list[list[int]], traces: list[Trace], layers: list[int],
+                         costs: CostModel, eos: frozenset[int]) -> float:
+    """What a speculative request (draft, check, verification) costs beyond its passes: the real
+    time of the fixed policy on a few prompts against its replay without that overhead."""
+    fixed = Candidate("hispec", Policy(layers[0], layers[min(1, len(layers) - 1)], 2, 1))
+    model.generate([prompts[0]], max_new_tokens=4, **fixed.kwargs())  # warm-up
+    t0 = time.perf_counter()
+    for prompt, trace in zip(prompts, traces):
+        model.generate([prompt], max_new_tokens=trace.limit - trace.prompt_length, **fixed.kwargs())
+    seconds = time.perf_counter() - t0
+    modelled, requests = 0.0, 0
+    for trace in traces:
+        r = replay(trace, "hispec", fixed.policy, costs, model.num_layers, eos)
+        modelled += r.seconds
+        requests += r.speculative_requests
+    return max(0.0, (seconds - modelled) / max(1, requests))
+
+
+def _policy_dict(policy: Policy) -> dict[str, Any]:
+    return {k: v for k, v in asdict(policy).items() if k != "batch_thresholds"}
+
+
+def confirm_by_decoding(model: Any, prompts: list[list[int]], max_new_tokens: int,
+                        chosen: list[Candidate]) -> dict[str, float]:
+    """Tokens per second of each candidate and of plain decoding, decoded for real, interleaved
+    prompt by prompt so machine noise hits all alike."""
+    runs = {c.label(): c.kwargs() for c in chosen} | {"autoregressive": {"method": "autoregressive"}}
+    tally = {label: [0, 0.0] for label in runs}
+    for label, kwargs in runs.items():  # warm-up
+        model.generate([prompts[0]], max_new_tokens=4, **kwargs)
+    for i, prompt in enumerate(tqdm(prompts, desc="confirming by decoding")):
+        labels = list(runs)
+        for label in labels[i % len(labels):] + labels[: i % len(labels)]:
+            t0 = time.perf_counter()
+            out = model.generate([prompt], max_new_tokens=max_new_tokens, **runs[label])
+            tally[label][1] += time.perf_counter() - t0
+            tally[label][0] += len(out.sequences[0])
+    return {label: tokens / seconds for label, (tokens, seconds) in tally.items()}

@@ -1,0 +1,92 @@
+"""hispec-tune: the replay is faithful to real decoding, and the chosen policy lands in the adapter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hispec_decode import CONFIG_NAME, HiSpecAdapter, HiSpecModel
+from hispec_decode.adapter import ExitSpec
+from hispec_decode.tools import tune as tune_cli
+from hispec_decode.tuning.costs import measure_costs
+from hispec_decode.tuning.simulate import precision_above, record_trace, replay
+from hispec_decode.tuning.tune import batch_thresholds
+
+PROMPTS = [[5, 9, 2, 6], [1, 2, 3, 4, 5, 6, 7, 8], [40, 41]]
+
+
+@pytest.fixture(scope="module")
+def tuned_setup(trainable_base, tmp_path_factory):
+    heads = tmp_path_factory.mktemp("heads")
+    model = HiSpecModel.from_pretrained(str(trainable_base))
+    HiSpecAdapter.create(model.decoder, str(trainable_base), [ExitSpec(2, "draft", "norm"),
+                                                              ExitSpec(4, "intermediate", "norm")]).save_pretrained(heads)
+    return HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads)), heads
+
+
+@pytest.mark.parametrize("gates", [dict(window=3, num_draft=2), dict(window=4, num_draft=3, draft_threshold=0.1,
+                                                                        verify_threshold=0.05)])
+@pytest.mark.parametrize("method", ["hispec", "self_spec"])
+def test_replay_counts_what_real_decoding_does(tuned_setup, gates, method):
+    """Replaying a policy on a trace makes (nearly) the same passes and accepts the same tokens as
+    decoding: exactly along the true prefix; after a wrong tentative token the real exits see that
+    wrong prefix while the trace knows only the true one, so counts may drift a little."""
+    model, _ = tuned_setup
+    costs = measure_costs(model.runner, [2, 4], reps=1)
+    plain = model.generate(PROMPTS, max_new_tokens=20, method="autoregressive")
+    exact = 0
+    for prompt, continuation in zip(PROMPTS, plain.sequences):
+        trace = record_trace(model.runner, model.base_model, prompt, continuation, [2, 4], 20)
+        policy = model.policy(method=method, draft_layer=2, verify_layer=4, batch_aware=False, **gates)
+        simulated = replay(trace, method, policy, costs, model.num_layers, model.decoder.default_eos_ids())
+        real = model.generate([prompt], max_new_tokens=20, method=method, draft_layer=2, verify_layer=4,
+                              batch_aware=False, **gates)
+        sim, got = simulated.counters, real.seqs[0].counters
+        assert simulated.tokens == len(real.sequences[0]) and simulated.seconds > 0
+        assert abs(sim.calls_full - got.calls_full) <= max(1, 0.15 * got.calls_full), (sim, got)
+        assert abs(sim.accepted_final - got.accepted_final) <= 2, (sim, got)
+        exact += sim == got
+    assert exact >= 1, "at least one prompt replays exactly"
+
+
+def test_batch_thresholds_rise_with_the_batch(tuned_setup):
+    model, _ = tuned_setup
+    costs = measure_costs(model.runner, [2, 4], reps=1)
+    thresholds = batch_thresholds(costs, model.num_layers, cap=0.9)
+    assert thresholds["1"] == 0.0 and set(thresholds) >= {"2", "4", "8", "16"}
+    assert all(0 <= v <= 0.9 or v == 1.5 for v in thresholds.values())
+    values = list(thresholds.values())
+    assert values == sorted(values), "a bigger batch never makes speculation cheaper"
+
+
+def test_precision_above_counts_generated_positions(tuned_setup):
+    model, _ = tuned_setup
+    plain = model.generate(PROMPTS[:1], max_new_tokens=10, method="autoregressive")
+    trace = record_trace(model.runner, model.base_model, PROMPTS[0], plain.sequences[0], [2, 4])
+    assert 0.0 <= precision_above([trace], 4, 0.0) <= 1.0
+    assert precision_above([trace], 4, 2.0) is None
+
+
+def test_tune_cli_writes_the_policy_into_the_adapter(trainable_base, tuned_setup, tmp_path, capsys):
+    _, heads = tuned_setup
+    weights = (heads / "hispec_heads.safetensors").read_bytes()
+    assert tune_cli.main(["--base", str(trainable_base), "--heads", str(heads), "--dtypes", "float32", "--prompts",
+                          "builtin", "--num-prompts", "2", "--max-new-tokens", "6", "--confirm", "1",
+                          "--json", str(tmp_path / "tune.json")]) == 0
+    assert "predicted" in capsys.readouterr().out
+    config = json.loads((heads / CONFIG_NAME).read_text())
+    tuned = config["policy"]["float32"]
+    assert set(tuned) == {"hispec", "self_spec", "measurements"}
+    assert tuned["measurements"]["confirmed"][-1]["config"] == "autoregressive"
+    assert (heads / "hispec_heads.safetensors").read_bytes() == weights, "only the config changes"
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    policy = model.policy(method="hispec")
+    assert (policy.window, policy.num_draft, policy.draft_threshold) == (
+        tuned["hispec"]["window"], tuned["hispec"]["num_draft"], tuned["hispec"]["draft_threshold"])
+    assert json.loads((tmp_path / "tune.json").read_text())["float32"]["hispec"] == tuned["hispec"]
+
+
+def test_tune_cli_needs_a_local_adapter(trainable_base, capsys):
+    assert tune_cli.main(["--base", str(trainable_base), "--heads", "/no/such/dir"]) == 2
+    assert "local adapter directory" in capsys.readouterr().err
