@@ -5,12 +5,17 @@ that never stop, that stop everything and in between."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
-from hispec_decode import CONFIG_NAME, HiSpecAdapter, HiSpecModel, Policy
+from hispec_decode import CONFIG_NAME, HiSpecAdapter, HiSpecError, HiSpecModel, Policy
 from hispec_decode.adapter import ExitSpec
-from hispec_decode.decoding.sampling import SamplingParams
+from hispec_decode.decoding.sampling import SamplingParams, TokenSampler
+from hispec_decode.decoding.strategies import STRATEGIES
+from hispec_decode.engine.block_manager import BlockManager
+from hispec_decode.engine.sequence import Sequence
 
 from conftest import ARCHS
 from test_lossless import NEW, PROMPTS
@@ -58,7 +63,8 @@ def test_gates_that_stop_everything_degenerate_to_plain_decoding(hispec_models):
     assert never.seqs[0].counters == fixed.seqs[0].counters  # thresholds of 0 are the fixed policy
 
 
-@pytest.mark.parametrize("thresholds", [(0.4, 0.3), (1.01, 0.5), (0.5, 1.01), (1.01, 1.01)])
+# the small model's exits have top probabilities of at most ~0.25 here: these split its positions
+@pytest.mark.parametrize("thresholds", [(0.0, 0.2), (0.2, 0.1), (0.0, 1.01), (1.01, 1.01)])
 @pytest.mark.parametrize("method", ["hispec", "self_spec"])
 def test_thresholded_sampling_follows_the_base_distribution(small_vocab_model, thresholds, method):
     path, reference = small_vocab_model
@@ -117,3 +123,53 @@ def test_tuned_adapter_policy_is_the_default_and_batch_aware(tiny_models, hispec
     batch = model.generate(prompts + prompts[:1], max_new_tokens=NEW)  # 4 rows: plain decoding
     assert batch.sequences == [references["llama", n] for n in PROMPTS] + [references["llama", 1]]
     assert all(s.counters.tentative == 0 and s.counters.calls_full == NEW for s in batch.seqs)
+
+
+class _FixedRunner:
+    """Answers every band request with fixed logits per exit: q at L_d, p_i at L_i, p_f at L_f."""
+
+    def __init__(self, logits: dict[int, list[float]]) -> None:
+        self.logits = {band: torch.tensor([row]) for band, row in logits.items()}
+
+    def advance(self, request):
+        seq, manager = request.seq, request.seq.cache.manager
+        manager.reserve(seq.seq_id, len(seq.tokens))
+        for band in range(request.top_band + 1):
+            manager.set_length(seq.seq_id, band, len(seq.tokens))
+        return self.logits[request.top_band].expand(request.num_logits, -1)
+
+
+@pytest.mark.parametrize("thresholds", [(0.0, 0.0), (0.0, 0.6), (0.0, 1.01), (0.4, 0.6)])
+def test_gated_hispec_samples_exactly_the_final_distribution(thresholds):
+    """Two tokens; the draft exit always proposes token 0 (q = delta_0), L_i is uniform, the full
+    model says (0.2, 0.8). Withholding only L_i's replacement tokens would leave token 0 alone at
+    that position and give P(0) = 0.3; the exact rule keeps P(0) = 0.2 (20k draws: 4 sigma = 0.011)."""
+    runner = _FixedRunner({0: [20.0, -20.0], 1: [0.0, 0.0], 2: [math.log(0.2), math.log(0.8)]})
+    policy = Policy(1, 2, 3, 1, thresholds[0], thresholds[1])
+    draws, zeros = 20_000, 0
+    for i in range(draws):
+        cache = type("Cache", (), {"manager": BlockManager(8, 16)})()
+        seq = Sequence(0, [1], cache, (1, 2, 3), TokenSampler(SamplingParams(True), seed=i), 2, frozenset(), policy)
+        seq.allocate()
+        steps = STRATEGIES["hispec"].decode(seq)
+        try:
+            request = next(steps)
+            while True:
+                request = steps.send(runner.advance(request))
+        except StopIteration:
+            pass
+        zeros += seq.new_tokens[0] == 0
+    assert abs(zeros / draws - 0.2) < 0.011, zeros / draws
+
+
+def test_a_broken_tuned_policy_is_a_clear_error(tiny_models, hispec_models, tmp_path):
+    tiny = tiny_models["llama"]
+    adapter = HiSpecAdapter.create(hispec_models["llama"].decoder, str(tiny.path),
+                                   [ExitSpec(2, "draft", "norm"), ExitSpec(4, "intermediate", "norm")])
+    for bad, needle in [({"window": "2"}, "window"), ({"draft_threshold": -3}, "draft_threshold"),
+                        ({"batch_thresholds": {"1": "nan"}}, "batch_thresholds")]:
+        adapter.config.policy = {"float32": {"hispec": bad}}
+        adapter.save_pretrained(tmp_path / "heads")
+        model = tiny.load(heads=str(tmp_path / "heads"))
+        with pytest.raises(HiSpecError, match=f"tuned policy .* is invalid: .*{needle}"):
+            model.generate([PROMPTS[1]], max_new_tokens=2)

@@ -128,8 +128,11 @@ class HiSpecAdapterConfig:
     def tuned_policy(self, method: str, dtype: Any) -> dict[str, Any] | None:
         """The policy ``hispec-tune`` chose for ``method`` in ``dtype`` (a torch dtype or its name)."""
         name = str(dtype).removeprefix("torch.")
-        chosen = self.policy.get(name, {}).get(method)
-        return chosen if isinstance(chosen, dict) else None
+        per_dtype = self.policy.get(name)
+        chosen = per_dtype.get(method) if isinstance(per_dtype, dict) else None
+        if per_dtype is not None and not isinstance(per_dtype, dict) or chosen is not None and not isinstance(chosen, dict):
+            raise AdapterError(f"adapter config key 'policy' must map dtypes to objects of methods; got {self.policy!r:.80}")
+        return chosen
 
 
 def _migrate(data: dict[str, Any]) -> dict[str, Any]:

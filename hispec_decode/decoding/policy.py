@@ -6,7 +6,9 @@ A policy is confidence-adaptive (docs/policy.md):
   ``draft_threshold``, up to ``num_draft`` tokens (a round may draft nothing: the sequence then
   goes straight up from ``L_d``'s hidden state);
 * ``L_i`` adds tentative tokens while the product of its probabilities of the tentative tokens
-  stays at least ``verify_threshold``, up to ``window``; then ``L_f`` verifies them;
+  stays at least ``verify_threshold``, up to ``window``; then ``L_f`` verifies them (its bonus token
+  is gated before it joins; a replacement of a rejected draft always joins, since gating only
+  replacements would bias what the accepted ones leave at that position);
 * batch-aware: ``batch_thresholds`` maps a batch size to the acceptance a speculated token needs
   to pay for the extra rows it adds to a pass at that size (measured by ``hispec-tune``); the
   effective thresholds are never below it, and above 1 the sequence does not speculate at all.
@@ -68,7 +70,7 @@ def resolve_policy(config: GenerationConfig, num_layers: int, roles: dict[str, i
                    tuned: dict[str, Any] | None = None) -> Policy:
     """Fill in what ``config`` leaves open (``tuned``: the adapter's tuned policy for this dtype;
     ``roles``: its ``draft``/``intermediate`` layers) and check the layers against the model."""
-    roles, tuned = roles or {}, tuned or {}
+    roles, tuned = roles or {}, _checked_tuned(tuned or {}, method=config.method)
     n, method = num_layers, config.method
     value = {k: getattr(config, k) if getattr(config, k) is not None else tuned.get(k) for k in TUNABLE}
     draft_layer = _first(value["draft_layer"], roles.get("draft"), max(1, round(n * DEFAULT_DRAFT_FRACTION)))
@@ -89,6 +91,26 @@ def resolve_policy(config: GenerationConfig, num_layers: int, roles: dict[str, i
     return Policy(draft_layer, verify_layer, window, num_draft,
                   float(_first(value["draft_threshold"], DEFAULT_THRESHOLD)),
                   float(_first(value["verify_threshold"], DEFAULT_THRESHOLD)), batch)
+
+
+def _checked_tuned(tuned: dict[str, Any], method: str) -> dict[str, Any]:
+    """An adapter's tuned policy, checked like explicit arguments (it comes from a JSON file)."""
+    from ..config import GenerationConfig  # the same checks as for explicit arguments
+
+    if not isinstance(tuned, dict):
+        raise HiSpecError(f"the adapter's tuned policy must be a JSON object; got {type(tuned).__name__}")
+    try:
+        GenerationConfig(method=method, **{k: tuned[k] for k in TUNABLE if k in tuned})
+        batch = tuned.get("batch_thresholds", {})
+        if not isinstance(batch, dict) or not all(
+                str(b).isdigit() and isinstance(t, (int, float)) and 0 <= t < float("inf") for b, t in batch.items()):
+            raise HiSpecError(f"batch_thresholds must map batch sizes to numbers >= 0; got {batch!r:.80}")
+    except HiSpecError as exc:
+        raise HiSpecError(f"the adapter's tuned policy ({CONFIG_NAME_HINT}) is invalid: {exc}") from None
+    return tuned
+
+
+CONFIG_NAME_HINT = "policy in hispec_config.json; re-run hispec-tune"
 
 
 def _first(*values: Any) -> Any:

@@ -137,9 +137,12 @@ class HiSpec(Strategy):
                 seq.counters.drafted += len(drafts)
                 seq.counters.accepted_intermediate += verdict.accepted
                 confidence *= _probability(verdict, drafts[: verdict.accepted], tops)
-                # L_i's own token joins while its top probability keeps the product at the gate;
-                # else the window closes and L_f chooses that position itself
-                if confidence * float(tops[verdict.accepted]) >= verify_threshold:
+                # L_i's own token: a replacement of a rejected draft always joins (dropping only those
+                # would keep the accepted drafts' tokens alone at that position, no longer samples of
+                # L_i); a bonus joins while L_i's top probability keeps the product at the gate, else
+                # the window closes and L_f chooses that position itself
+                replacement = verdict.accepted < len(drafts)
+                if replacement or confidence * float(tops[verdict.accepted]) >= verify_threshold:
                     appended = seq.extend(first, verdict)
                     confidence *= _probability(verdict, [verdict.token] if appended else [], tops, verdict.accepted)
                 else:

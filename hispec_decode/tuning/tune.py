@@ -120,7 +120,7 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
     scored.sort(key=lambda cs: -cs[1]["tokens_per_second"])
     best_hispec = [c for c, _ in scored if c.method == "hispec"][:confirm]
     best_self = next(c for c, _ in scored if c.method == "self_spec")
-    d, i = layers[0], layers[min(1, len(layers) - 1)]
+    d, i = layers[0], (layers[1] if len(layers) > 1 else n)  # one exit: no middle level
     paper = Candidate("hispec", Policy(d, i, **{"window": PAPER["window"], "num_draft": PAPER["num_draft"]}))
     off = Candidate("hispec", Policy(d, i, 1, 1, SPECULATION_OFF, SPECULATION_OFF))  # plain decoding through the bands
     if off not in best_hispec:  # always measured: where nothing pays, the policy stops speculating
@@ -161,7 +161,7 @@ def speculative_overhead(model: Any, prompts: list[list[int]], traces: list[Trac
                          costs: CostModel, eos: frozenset[int]) -> float:
     """What a speculative request (draft, check, verification) costs beyond its passes: the real
     time of the fixed policy on a few prompts against its replay without that overhead."""
-    fixed = Candidate("hispec", Policy(layers[0], layers[min(1, len(layers) - 1)], 2, 1))
+    fixed = Candidate("hispec", Policy(layers[0], layers[1] if len(layers) > 1 else model.num_layers, 2, 1))
     model.generate([prompts[0]], max_new_tokens=4, **fixed.kwargs())  # warm-up
     t0 = time.perf_counter()
     for prompt, trace in zip(prompts, traces):
