@@ -174,6 +174,12 @@ def remove_tree(path: str | os.PathLike) -> None:
     _remove(doomed)
 
 
+def save_figure(fig, path: str | os.PathLike) -> None:
+    """Save a matplotlib figure as PNG through :func:`atomic_file`."""
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+
+
 def check_writable(directory: str | os.PathLike, what: str) -> None:
     """Fail at once (not after minutes of work) when ``directory`` cannot be created or written."""
     from .errors import HiSpecError

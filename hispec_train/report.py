@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hispec_decode.files import atomic_file, write_text
+from hispec_decode.files import save_figure, write_text
 
 from .config import TrainConfig
 
@@ -47,6 +47,5 @@ def plot_agreement(report: dict[str, Any], path: Path) -> None:
     ax2.set_title("agreement during training")
     ax2.legend()
     fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
+    save_figure(fig, path)
     plt.close(fig)

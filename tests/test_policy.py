@@ -13,7 +13,7 @@ import torch
 from hispec_decode import CONFIG_NAME, HiSpecAdapter, HiSpecError, HiSpecModel, Policy
 from hispec_decode.adapter import ExitSpec
 from hispec_decode.decoding.sampling import SamplingParams, TokenSampler
-from hispec_decode.decoding.strategies import STRATEGIES
+from hispec_decode.decoding.strategies import STRATEGIES, run_alone
 from hispec_decode.engine.block_manager import BlockManager
 from hispec_decode.engine.sequence import Sequence
 
@@ -151,13 +151,7 @@ def test_gated_hispec_samples_exactly_the_final_distribution(thresholds):
         cache = type("Cache", (), {"manager": BlockManager(8, 16)})()
         seq = Sequence(0, [1], cache, (1, 2, 3), TokenSampler(SamplingParams(True), seed=i), 2, frozenset(), policy)
         seq.allocate()
-        steps = STRATEGIES["hispec"].decode(seq)
-        try:
-            request = next(steps)
-            while True:
-                request = steps.send(runner.advance(request))
-        except StopIteration:
-            pass
+        run_alone(STRATEGIES["hispec"].decode(seq), runner.advance)
         zeros += seq.new_tokens[0] == 0
     assert abs(zeros / draws - 0.2) < 0.011, zeros / draws
 

@@ -122,10 +122,12 @@ class TokenSampler:
             return None
         return self._draw(probs), probs
 
-    def confidence(self, logits: torch.Tensor) -> torch.Tensor:
-        """Top probability of each row of logits [n, vocab] (warped when sampling): a proposal-side
-        estimate of how likely the next level accepts what this level proposes."""
-        probs = self.probs(logits) if not self.greedy else logits.float().softmax(-1)
+    def confidence(self, logits: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+        """Top probability of each row of logits [n, vocab] (warped when sampling; ``probs``: the
+        warped distribution if :meth:`verify` already computed it): a proposal-side estimate of how
+        likely the next level accepts what this level proposes."""
+        if probs is None:
+            probs = self.probs(logits) if not self.greedy else logits.float().softmax(-1)
         return probs.max(-1).values
 
     def verify(self, candidates: list[int], proposal: torch.Tensor | None, target_logits: torch.Tensor) -> Verdict:

@@ -9,7 +9,7 @@ model's and sampled output is an exact sample of it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 
 import torch
 
@@ -43,6 +43,17 @@ def draft(seq: Sequence, count: int, threshold: float) -> Steps:
         if token in seq.eos:
             break
     return drafts, None if seq.sampler.greedy or not drafts else torch.stack(probs)
+
+
+def run_alone(steps: Steps, answer: Callable[[BandRequest], torch.Tensor]) -> None:
+    """Drive one decode loop to its end outside an engine, answering each request with ``answer``
+    (policy replays in tuning, strategy tests)."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(answer(request))
+    except StopIteration:
+        pass
 
 
 def step_autoregressive(seq: Sequence, top_band: int) -> Steps:
@@ -132,26 +143,29 @@ class HiSpec(Strategy):
                 drafts, q = yield from draft(seq, policy.num_draft, draft_threshold)
                 logits = yield BandRequest(seq, 1, len(drafts) + 1)
                 seq.counters.calls_intermediate += 1
-                tops = seq.sampler.confidence(logits)  # [len(drafts) + 1]: L_i's top probability per position
                 verdict = seq.sampler.verify(drafts, q, logits)
                 seq.counters.drafted += len(drafts)
                 seq.counters.accepted_intermediate += verdict.accepted
-                confidence *= _probability(verdict, drafts[: verdict.accepted], tops)
+                gated = verify_threshold > 0  # no gate: no confidence to compute
+                if gated:  # [len(drafts) + 1]: L_i's top probability per position
+                    tops = seq.sampler.confidence(logits, verdict.target_probs)
+                    confidence *= _probability(verdict, drafts[: verdict.accepted], tops)
                 # L_i's own token: a replacement of a rejected draft always joins (dropping only those
                 # would keep the accepted drafts' tokens alone at that position, no longer samples of
                 # L_i); a bonus joins while L_i's top probability keeps the product at the gate, else
                 # the window closes and L_f chooses that position itself
                 replacement = verdict.accepted < len(drafts)
-                if replacement or confidence * float(tops[verdict.accepted]) >= verify_threshold:
+                if not gated or replacement or confidence * float(tops[verdict.accepted]) >= verify_threshold:
                     appended = seq.extend(first, verdict)
-                    confidence *= _probability(verdict, [verdict.token] if appended else [], tops, verdict.accepted)
+                    if gated and appended:
+                        confidence *= _probability(verdict, [verdict.token], tops, verdict.accepted)
                 else:
                     seq.truncate(first + verdict.accepted)
                     appended = False
                 if verdict.target_probs is not None:
                     proposals.append(verdict.target_probs[: verdict.accepted + appended])
                 tentative = seq.tokens[start:]
-                if (not appended or len(tentative) >= policy.window or confidence < verify_threshold
+                if (not appended or len(tentative) >= policy.window or (gated and confidence < verify_threshold)
                         or seq.room() == 0 or seq.eos.intersection(seq.tokens[first:])):
                     break
             logits = yield BandRequest(seq, 2, len(tentative) + 1)

@@ -66,8 +66,9 @@ class Scheduler:
             batch = self._select()
             need = sum(self.manager.extra_blocks(s.seq_id, len(s.tokens)) for s in batch)
             if need <= self.manager.num_free:
+                served = {s.seq_id for s in batch}
                 for seq in self.running:
-                    seq.idle = 0 if seq in batch else seq.idle + 1
+                    seq.idle = 0 if seq.seq_id in served else seq.idle + 1
                 return batch
             if len(self.running) == 1:
                 seq = self.running[0]

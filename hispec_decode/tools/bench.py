@@ -26,7 +26,7 @@ from ..data.prompts import CHAT_FREE, CHAT_PROMPTS, PROMPT_SETS, encode_prompt, 
 from ..engine.model_runner import BandRequest
 from ..engine.sequence import Counters, Sequence
 from ..errors import HiSpecError
-from ..files import atomic_file, check_writable, write_text
+from ..files import check_writable, save_figure, write_text
 from ..models.loading import parse_dtype
 from .args import POLICY_FIELDS, add_config_args, add_model_args, config_overrides, method_variant, variant_for
 from .cli import add_debug_arg, positive_int, positive_int_list, run_cli
@@ -274,8 +274,7 @@ def plot_methods(results: dict[str, Any], path: Path) -> None:
         ax1.invert_yaxis()
         ax2.invert_yaxis()
     fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..config import GenerationConfig
 from ..decoding.policy import Policy
-from ..files import atomic_file, write_text
+from ..files import save_figure, write_text
 
 HISPEC_DRAFTS = (1, 2, 3, 4)
 HISPEC_WINDOWS = (2, 3, 4, 6, 8)
@@ -117,6 +117,5 @@ def _plot(rows: list[dict[str, Any]], path: Path, tag: str) -> None:
     ax2.set_title("self_spec")
     ax2.legend()
     fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
+    save_figure(fig, path)
     plt.close(fig)

@@ -17,7 +17,7 @@ import torch
 
 from ..decoding.policy import Policy
 from ..decoding.sampling import Verdict
-from ..decoding.strategies import STRATEGIES
+from ..decoding.strategies import STRATEGIES, run_alone
 from ..engine.block_manager import BlockManager
 from ..engine.model_runner import BandRequest, ModelRunner
 from ..engine.sequence import Counters, Sequence
@@ -70,7 +70,7 @@ class _Sampler:
             return None
         return int(logits[-1, 0]), None
 
-    def confidence(self, logits: torch.Tensor) -> torch.Tensor:
+    def confidence(self, logits: torch.Tensor, probs: None = None) -> torch.Tensor:
         return logits[:, 1]
 
     def verify(self, candidates: list[int], proposal: None, target_logits: torch.Tensor) -> Verdict:
@@ -141,13 +141,7 @@ def replay(trace: Trace, method: str, policy: Policy, costs: CostModel, num_laye
                    trace.limit, eos, policy)
     seq.allocate()
     runner = _Runner(trace, costs, num_layers)
-    steps = strategy.decode(seq)
-    try:
-        request = next(steps)
-        while True:
-            request = steps.send(runner.advance(request))
-    except StopIteration:
-        pass
+    run_alone(strategy.decode(seq), runner.advance)
     if seq.tokens != trace.tokens[: len(seq.tokens)]:
         raise RuntimeError("a greedy replay must reproduce the base model's tokens")
     return Replay(len(seq.new_tokens), runner.seconds, seq.counters, runner.speculative_requests)
