@@ -37,7 +37,9 @@ class TrainConfig:
     head_type: str = _key("residual_linear", "norm, residual_linear, low_rank or decoder_block")
     head_options: dict[str, Any] = _key(None, "options of the head type as JSON, e.g. {\"rank\": 32}", factory=dict)
     # data
-    dataset: str = _key("sharegpt", "sharegpt, a local .json/.jsonl file or a Hub data set id")
+    dataset: str = _key("sharegpt", "sharegpt, a hispec-selfdistill directory, a local .json/.jsonl file or a Hub data set id")
+    features: str | None = _key(None, "a feature store (hispec-store): heads train from its stored states without "
+                                      "running the base (dataset, max_tokens and eval_fraction are then unused)")
     max_tokens: int | None = _key(200_000, "tokens read from the data set (none: all)")
     eval_fraction: float = _key(0.05, "held-out fraction of the blocks, in (0, 1)")
     seq_len: int = _key(256, "tokens per training block")
@@ -53,6 +55,8 @@ class TrainConfig:
     chunk_size: int = _key(128, "positions per loss chunk (bounds the [chunk, vocab] logits in memory)")
     mixed_precision: str = _key("no", "accelerate mixed precision: no, bf16 or fp16")
     exit_vocab_size: int = _key(0, "> 0: early exits predict over this many most frequent training tokens (0: all)")
+    loss_vocab: str = _key("full", "full: heads learn the teacher's whole distribution; exit: only over their exit "
+                                   "vocabulary (|V|/exit_vocab_size times cheaper logits)")
     base_dtype: str = _key("float32", "dtype of the frozen base's weights (bfloat16 halves them; heads stay float32)")
     # bookkeeping
     eval_every: int = _key(50, "steps between held-out evaluations")
@@ -91,11 +95,13 @@ class TrainConfig:
             raise HiSpecError(f"weight_decay must be a finite number >= 0; got {self.weight_decay}")
         if not 0 <= self.ce_weight <= 1:
             raise HiSpecError(f"ce_weight must be in [0, 1]; got {self.ce_weight}")
+        if self.loss_vocab not in ("full", "exit") or (self.loss_vocab == "exit" and not self.exit_vocab_size):
+            raise HiSpecError(f"loss_vocab must be full, or exit together with exit_vocab_size > 0; got {self.loss_vocab!r}")
         if self.mixed_precision not in MIXED_PRECISION:
             raise HiSpecError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}; got {self.mixed_precision!r}")
         if not self.report_to:
             raise HiSpecError("report_to must name a tracker accelerate knows (tensorboard, wandb, ...) or be none")
-        if not self.dataset or not self.output_dir:
+        if not self.dataset or not self.output_dir or self.features == "":
             raise HiSpecError("dataset and output_dir must not be empty")
         if self.resume and self.overwrite:
             raise HiSpecError("resume and overwrite exclude each other: continue a run, or start it again")

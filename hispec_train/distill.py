@@ -23,6 +23,7 @@ class LossConfig:
     temperature: float = 1.0  # KD temperature (the loss is scaled by T^2)
     ce_weight: float = 0.0  # weight of cross-entropy on the data's next tokens, mixed with KD
     chunk_size: int = 128  # positions per chunk
+    exit_vocab: bool = False  # heads with an exit vocabulary learn the teacher's distribution over it only
 
 
 def heads_dtype(heads: list[ExitHead], default: torch.dtype) -> torch.dtype:
@@ -31,52 +32,82 @@ def heads_dtype(heads: list[ExitHead], default: torch.dtype) -> torch.dtype:
 
 
 def _chunk_losses(decoder: DecoderModel, heads: list[ExitHead], cfg: LossConfig, teacher_hidden: torch.Tensor,
-                  labels: torch.Tensor | None, *hidden: torch.Tensor) -> torch.Tensor:
-    """Summed (over tokens) loss of every head on one chunk; shapes [B, c, H] -> [n_heads]."""
-    with torch.no_grad():
-        teacher = decoder.lm_logits(teacher_hidden).float()  # [B, c, V]
-        log_p_t = F.log_softmax(teacher / cfg.temperature, dim=-1)
-        p_t = log_p_t.exp()
+                  labels: torch.Tensor, valid: torch.Tensor, *hidden: torch.Tensor) -> torch.Tensor:
+    """Summed (over valid tokens) loss of every head on one chunk; shapes [B, c, H] -> [n_heads].
+
+    With ``exit_vocab``, a head restricted to a vocabulary V learns the teacher renormalised over
+    V (``[B, c, |V|]`` logits instead of the full vocabulary: what it can ever draft)."""
+    teachers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def teacher(vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        key = 0 if vocab is None else id(vocab)
+        if key not in teachers:
+            with torch.no_grad():
+                logits = decoder.lm_logits(teacher_hidden) if vocab is None else \
+                    decoder.vocab_logits(teacher_hidden, vocab, compact=True)
+                log_p = F.log_softmax(logits.float() / cfg.temperature, dim=-1)  # [B, c, V or |V|]
+                teachers[key] = log_p, log_p.exp()
+        return teachers[key]
+
     losses = []
     for head, h in zip(heads, hidden):
-        student = head.project(h, decoder, restrict=False).float()  # [B, c, V]: trained on the full vocabulary
+        vocab = head.vocab if cfg.exit_vocab else None
+        student = head.project(h, decoder, restrict=vocab is not None, compact=True).float()  # [B, c, V or |V|]
+        log_p_t, p_t = teacher(vocab)
         log_p_s = F.log_softmax(student / cfg.temperature, dim=-1)
-        loss = (p_t * (log_p_t - log_p_s)).sum() * cfg.temperature**2  # KL(teacher || head)
-        if cfg.ce_weight and labels is not None:
-            valid = labels >= 0
-            ce = F.cross_entropy(student[valid], labels[valid], reduction="sum")
+        kl = (p_t * (log_p_t - log_p_s)).sum(-1)  # [B, c]: KL(teacher || head)
+        loss = (kl * valid).sum() * cfg.temperature**2
+        if cfg.ce_weight:
+            target = labels
+            if vocab is not None:  # token ids -> positions in the vocabulary (tokens outside it are skipped)
+                pos = torch.searchsorted(vocab, labels.clamp(min=0)).clamp(max=vocab.numel() - 1)
+                target = torch.where((vocab[pos] == labels) & (labels >= 0), pos, -100)
+            keep = (target >= 0) & valid
+            ce = F.cross_entropy(student[keep], target[keep], reduction="sum")
             loss = (1 - cfg.ce_weight) * loss + cfg.ce_weight * ce
         losses.append(loss)
     return torch.stack(losses)
 
 
 def distillation_loss(decoder: DecoderModel, heads: list[ExitHead], hidden: list[torch.Tensor],
-                      teacher_hidden: torch.Tensor, input_ids: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+                      teacher_hidden: torch.Tensor, input_ids: torch.Tensor, cfg: LossConfig,
+                      valid: torch.Tensor | None = None) -> torch.Tensor:
     """Mean per-token loss of each head, ``[n_heads]``.
 
     ``hidden[i]``: [B, T, H] at head i's layer; ``teacher_hidden``: [B, T, H'] the final hidden
-    state (after the final norm); ``input_ids``: [B, T] (labels are the next tokens).
+    state (after the final norm); ``input_ids``: [B, T] (labels are the next tokens); ``valid``:
+    [B, T] bool, False on padding (default: every position).
     """
     B, T = input_ids.shape
+    if valid is None:
+        valid = torch.ones_like(input_ids, dtype=torch.bool)
     dtype = heads_dtype(heads, hidden[0].dtype)
     hidden = [head.sequence_transform(h.to(dtype), decoder) for head, h in zip(heads, hidden)]  # attention-bearing heads see all of T
     labels = torch.full_like(input_ids, -100)
-    labels[:, :-1] = input_ids[:, 1:]  # position t predicts token t+1; the last has no label
+    labels[:, :-1] = torch.where(valid[:, 1:], input_ids[:, 1:], -100)  # position t predicts token t+1
     total = None
     for s in range(0, T, cfg.chunk_size):
         sl = slice(s, s + cfg.chunk_size)
-        args = (teacher_hidden[:, sl], labels[:, sl], *(h[:, sl] for h in hidden))
+        args = (teacher_hidden[:, sl], labels[:, sl], valid[:, sl], *(h[:, sl] for h in hidden))
         part = checkpoint(_chunk_losses, decoder, heads, cfg, *args, use_reentrant=False)
         total = part if total is None else total + part
-    return total / (B * T)
+    return total / valid.sum().clamp(min=1)
+
+
+THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # confidence calibration points
 
 
 @dataclass
 class Agreement:
-    """Counts of top-1 agreement on held-out data."""
+    """Counts of agreement with the final layer on held-out data, per head layer: top-1, top-4
+    (the final token among the head's 4 best) and, per confidence threshold, how many tokens the
+    head is that confident on and how many of those it gets right (calibration)."""
 
     tokens: int = 0
     with_final: dict[int, int] = field(default_factory=dict)  # head layer -> agreeing tokens
+    in_top4: dict[int, int] = field(default_factory=dict)
+    confident: dict[int, list[int]] = field(default_factory=dict)  # per THRESHOLDS: tokens with top prob >= t
+    confident_right: dict[int, list[int]] = field(default_factory=dict)  # ... of which agree
     draft_vs_intermediate: int = 0
 
     def add(self, layer: int, n: int) -> None:
@@ -87,20 +118,48 @@ class Agreement:
         out["agreement/draft_vs_intermediate"] = self.draft_vs_intermediate / self.tokens
         return out
 
+    def curve(self) -> dict[int, dict[str, object]]:
+        """Per layer: top-1 and top-4 agreement, and coverage/precision at each threshold."""
+        out = {}
+        for layer in sorted(self.with_final):
+            n, right = self.confident.get(layer, [0] * len(THRESHOLDS)), self.confident_right.get(layer, [0] * len(THRESHOLDS))
+            out[layer] = {
+                "top1": self.with_final[layer] / self.tokens, "top4": self.in_top4.get(layer, 0) / self.tokens,
+                "calibration": [{"threshold": t, "coverage": c / self.tokens, "precision": r / c if c else None}
+                                for t, c, r in zip(THRESHOLDS, n, right)],
+            }
+        return out
+
 
 @torch.no_grad()
 def agreement(decoder: DecoderModel, heads: dict[int, ExitHead], hidden: dict[int, torch.Tensor],
-              teacher_hidden: torch.Tensor, draft: int, intermediate: int, chunk_size: int, into: Agreement) -> None:
-    """Add the top-1 agreement of each head with the final layer (and draft with intermediate)."""
+              teacher_hidden: torch.Tensor, draft: int, intermediate: int, chunk_size: int, into: Agreement,
+              valid: torch.Tensor | None = None) -> None:
+    """Add each head's agreement with the final layer (and the draft's with the intermediate)
+    over the ``valid`` positions (default: all)."""
     T = teacher_hidden.shape[1]
+    if valid is None:
+        valid = torch.ones(teacher_hidden.shape[:2], dtype=torch.bool)
     dtype = heads_dtype(list(heads.values()), teacher_hidden.dtype)
     transformed = {layer: head.sequence_transform(hidden[layer].to(dtype), decoder) for layer, head in heads.items()}
+    thresholds = torch.tensor(THRESHOLDS)
     for s in range(0, T, chunk_size):
         sl = slice(s, s + chunk_size)
-        final = decoder.lm_logits(teacher_hidden[:, sl]).argmax(-1)
-        tops = {layer: head.project(transformed[layer][:, sl], decoder).argmax(-1) for layer, head in heads.items()}
-        for layer, top in tops.items():
-            into.add(layer, int((top == final).sum()))
+        keep = valid[:, sl]
+        final = decoder.lm_logits(teacher_hidden[:, sl]).argmax(-1)[keep]  # [n]
+        tops = {}
+        for layer, head in heads.items():
+            probs = torch.softmax(head.project(transformed[layer][:, sl], decoder).float()[keep], dim=-1)  # [n, V]
+            conf, top4 = probs.topk(4, dim=-1)
+            tops[layer] = top4[:, 0]
+            right = top4[:, 0] == final
+            into.add(layer, int(right.sum()))
+            into.in_top4[layer] = into.in_top4.get(layer, 0) + int((top4 == final[:, None]).any(-1).sum())
+            above = conf[:, :1] >= thresholds[None, :]  # [n, len(THRESHOLDS)]
+            for name, add in (("confident", above.sum(0)), ("confident_right", (above & right[:, None]).sum(0))):
+                counts = getattr(into, name).setdefault(layer, [0] * len(THRESHOLDS))
+                for i, x in enumerate(add.tolist()):
+                    counts[i] += x
         if draft in tops and intermediate in tops:
             into.draft_vs_intermediate += int((tops[draft] == tops[intermediate]).sum())
         into.tokens += final.numel()

@@ -30,13 +30,13 @@ from hispec_decode.errors import HiSpecError
 from hispec_decode.files import atomic_directory, check_writable, is_temporary
 from hispec_decode.tools.cli import add_debug_arg, non_negative_int, run_cli
 from hispec_decode.adapter import fingerprint_id
+from hispec_decode.adapter.fingerprint import compute_fingerprint
 
 from .checkpoint import CHECKPOINT_DIR, STATE_NAME, checkpoint_step
 from .config import TrainConfig, load_config
-from .data import build_dataset
 from .report import EVAL_NAME
 from .trainer import CONFIG_NAME as TRAIN_CONFIG_NAME
-from .trainer import evaluate, set_exit_vocab
+from .trainer import TrainingData, evaluate, set_exit_vocab
 from .vocab import exit_vocabulary
 
 
@@ -114,12 +114,14 @@ def _run_config(run_dir: Path) -> TrainConfig:
 def restrict_vocab(adapter: HiSpecAdapter, cfg: TrainConfig, loaded: LoadedBase, size: int) -> dict[str, Any]:
     """Give the heads the run's ``size``-token exit vocabulary; returns it with its held-out agreement."""
     decoder = decoder_for(loaded.model, pack_weights=False)
-    data = build_dataset(cfg.dataset, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.eval_fraction, cfg.seed)
-    vocab = exit_vocabulary(data.train, size, decoder.vocab_size, loaded.tokenizer.all_special_ids)
+    data = TrainingData(cfg, loaded.tokenizer, getattr(loaded.model, loaded.model.base_model_prefix),
+                        fingerprint_id(compute_fingerprint(loaded.model)))
+    special = loaded.tokenizer.all_special_ids if loaded.tokenizer is not None else []
+    vocab = exit_vocabulary(data.train_tokens(), size, decoder.vocab_size, special)
     set_exit_vocab(adapter, vocab)
     heads = {e.layer: adapter.head(e.layer) for e in adapter.config.exits}
     with torch.no_grad():
-        rates = evaluate(cfg, decoder, getattr(loaded.model, loaded.model.base_model_prefix), heads, data.eval)
+        rates, _ = evaluate(cfg, decoder, data, heads)
     return {"size": size, "coverage": vocab.coverage, "agreement": rates}
 
 

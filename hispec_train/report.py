@@ -14,9 +14,11 @@ EVAL_NAME = "eval.json"
 PLOT_NAME = "agreement.png"
 
 
-def write_eval_report(run_dir: Path, cfg: TrainConfig, untrained: dict[str, float], history: list[dict[str, Any]]) -> None:
+def write_eval_report(run_dir: Path, cfg: TrainConfig, untrained: dict[str, float], history: list[dict[str, Any]],
+                      curve: dict[int, dict[str, Any]] | None = None) -> None:
+    """``curve``: the latest evaluation per layer (top-1, top-4, calibration; see ``hispec-curve``)."""
     report = {"heads_layers": cfg.heads_layers, "head_type": cfg.head_type, "window": cfg.window,
-              "untrained": untrained, "history": history}
+              "untrained": untrained, "history": history, "curve": {str(l): c for l, c in (curve or {}).items()}}
     write_text(run_dir / EVAL_NAME, json.dumps(report, indent=2, sort_keys=True) + "\n")
     plot_agreement(report, run_dir / PLOT_NAME)
 

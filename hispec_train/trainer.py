@@ -21,6 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from hispec_decode.adapter import ExitSpec, HiSpecAdapter
+from hispec_decode.adapter.fingerprint import compute_fingerprint, fingerprint_id
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import check_writable, remove_tree, write_text
 from hispec_decode.layers.exit_heads import BaseExitHead
@@ -28,15 +29,16 @@ from hispec_decode.models import DecoderModel, decoder_for, load_base
 
 from .checkpoint import CHECKPOINT_DIR, checkpoint_step, load_heads, load_optimizer, save_checkpoint
 from .config import TrainConfig
-from .data import build_dataset
+from .data import PackedData, build_dataset
 from .distill import Agreement, LossConfig, agreement, distillation_loss, expected_accepted
+from .store_data import FeatureBatch, FeatureStore
 from .report import EVAL_NAME, PLOT_NAME, write_eval_report
 from .vocab import ExitVocab, exit_vocabulary
 from .zero import check_whole, heads_config, loading_whole, master_weights, shard_base, zero_stage
 
 logger = logging.getLogger(__name__)
 CONFIG_NAME = "train_config.json"
-RESUME_KEYS = ("base", "heads_layers", "head_type", "head_options", "exit_vocab_size", "seq_len")
+RESUME_KEYS = ("base", "heads_layers", "head_type", "head_options", "exit_vocab_size", "seq_len", "features")
 
 
 class HeadsLoss(nn.Module):
@@ -48,9 +50,10 @@ class HeadsLoss(nn.Module):
         self.decoder = [decoder]  # a list: the frozen base is not a submodule (not trained, not wrapped)
         self.loss_cfg = loss_cfg
 
-    def forward(self, hidden: list[torch.Tensor], teacher_hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: FeatureBatch) -> torch.Tensor:
         heads = [self.adapter.heads[k] for k in sorted(self.adapter.heads, key=int)]
-        return distillation_loss(self.decoder[0], heads, hidden, teacher_hidden, input_ids, self.loss_cfg)
+        return distillation_loss(self.decoder[0], heads, batch.hidden, batch.final, batch.input_ids, self.loss_cfg,
+                                 batch.valid)
 
 
 def set_exit_vocab(adapter: HiSpecAdapter, vocab: ExitVocab) -> None:
@@ -60,13 +63,65 @@ def set_exit_vocab(adapter: HiSpecAdapter, vocab: ExitVocab) -> None:
     adapter.config.training |= {"exit_vocab_size": int(vocab.ids.numel()), "exit_vocab_coverage": vocab.coverage}
 
 
-def base_forward(inner: nn.Module, input_ids: torch.Tensor, layers: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+def base_forward(inner: nn.Module, input_ids: torch.Tensor, layers: list[int]) -> FeatureBatch:
     """Hidden states after each exit layer [B, T, H] and the final (normed) hidden state.
 
     ``inner``: the base's decoder (``model.<base_model_prefix>``) or its ZeRO-3 engine."""
     with torch.no_grad():
         out = inner(input_ids=input_ids, output_hidden_states=True)
-    return [out.hidden_states[l] for l in layers], out.last_hidden_state
+    return FeatureBatch([out.hidden_states[l] for l in layers], out.last_hidden_state, input_ids,
+                        torch.ones_like(input_ids, dtype=torch.bool))
+
+
+class TrainingData:
+    """Where batches come from: packed token blocks run through the base, or a feature store."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer, inner: nn.Module, fingerprint: str) -> None:
+        self.cfg, self.inner = cfg, inner
+        self.blocks: PackedData | None = None
+        self.store = self.eval_store = None
+        if cfg.features:
+            self.store = FeatureStore(cfg.features, cfg.heads_layers, "train", fingerprint)
+            self.eval_store = FeatureStore(cfg.features, cfg.heads_layers, "eval", fingerprint)
+            self.info = {"features": cfg.features, "dataset": self.store.manifest.dataset,
+                         "train_tokens_available": self.store.num_tokens}
+        else:
+            self.blocks = build_dataset(cfg.dataset, tokenizer, cfg.seq_len, cfg.max_tokens, cfg.eval_fraction, cfg.seed)
+            self.info = {"dataset": cfg.dataset, "records_used": self.blocks.records_used,
+                         "records_skipped": self.blocks.records_skipped,
+                         "train_tokens_available": int(self.blocks.train.numel())}
+
+    def describe(self) -> str:
+        if self.store is not None:
+            return (f"feature store {self.cfg.features}: {self.store.num_tokens} train / {self.eval_store.num_tokens} "
+                    f"held-out tokens in windows of {self.cfg.seq_len}")
+        return (f"data: {len(self.blocks.train)} train blocks, {len(self.blocks.eval)} held-out blocks of "
+                f"{self.cfg.seq_len} tokens")
+
+    def train_tokens(self) -> torch.Tensor:
+        """Every training token id (for the exit vocabulary)."""
+        if self.store is not None:
+            return torch.cat([t["input_ids"] for t in self.store.shards]).long()
+        return self.blocks.train
+
+    def batch(self, step: int, micro: int, rank: int, world: int, device: torch.device) -> FeatureBatch:
+        cfg = self.cfg
+        if self.store is not None:  # a generator per (step, micro-step, process): resumable and process-independent
+            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + (step * cfg.grad_accum + micro) * world + rank)
+            b = self.store.batch(g, cfg.batch_size, cfg.seq_len)
+            return FeatureBatch([h.to(device) for h in b.hidden], b.final.to(device), b.input_ids.to(device),
+                                b.valid.to(device))
+        idx = batch_indices(step, micro, cfg, len(self.blocks.train), rank, world)
+        return base_forward(self.inner, self.blocks.train[idx].to(device), cfg.heads_layers)  # [B, T] ids
+
+    def eval_batches(self, device: torch.device) -> list[FeatureBatch] | None:
+        """Held-out batches already in memory (a store), or None (run the base on held-out blocks)."""
+        if self.eval_store is None:
+            return None
+        cfg = self.cfg
+        out = self.eval_store.sequential(cfg.batch_size, cfg.seq_len, cfg.eval_batches * cfg.batch_size * cfg.seq_len)
+        return [FeatureBatch([h.to(device) for h in b.hidden], b.final.to(device), b.input_ids.to(device),
+                             b.valid.to(device)) for b in out]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -89,20 +144,25 @@ def batch_indices(step: int, micro: int, cfg: TrainConfig, n_blocks: int, rank: 
     return out
 
 
-def evaluate(cfg: TrainConfig, decoder: DecoderModel, inner: nn.Module, heads: dict[int, nn.Module],
-             blocks: torch.Tensor) -> dict[str, float]:
-    """Top-1 agreement of each head with the final layer on held-out blocks, and derived numbers."""
+def evaluate(cfg: TrainConfig, decoder: DecoderModel, data: TrainingData, heads: dict[int, nn.Module]
+             ) -> tuple[dict[str, float], dict[int, dict[str, object]]]:
+    """Agreement of each head with the final layer on held-out data: the logged rates and the
+    per-layer curve (top-1, top-4, calibration)."""
     layers = cfg.heads_layers
     counts = Agreement()
-    for s in range(0, min(len(blocks), cfg.eval_batches * cfg.batch_size), cfg.batch_size):
-        ids = blocks[s : s + cfg.batch_size].to(decoder.device)
-        hidden, final = base_forward(inner, ids, layers)
-        agreement(decoder, heads, dict(zip(layers, hidden)), final, layers[0], layers[min(1, len(layers) - 1)],
-                  cfg.chunk_size, counts)
+    batches = data.eval_batches(decoder.device)
+    if batches is None:
+        blocks = data.blocks.eval
+        batches = (base_forward(data.inner, blocks[s : s + cfg.batch_size].to(decoder.device), layers)
+                   for s in range(0, min(len(blocks), cfg.eval_batches * cfg.batch_size), cfg.batch_size))
+    for b in batches:
+        agreement(decoder, heads, dict(zip(layers, b.hidden)), b.final, layers[0], layers[min(1, len(layers) - 1)],
+                  cfg.chunk_size, counts, b.valid)
     rates = counts.rates()
+    rates |= {f"agreement_top4/L{l}": c["top4"] for l, c in counts.curve().items()}
     if len(layers) >= 2:
         rates["expected_accepted/intermediate"] = expected_accepted(rates[f"agreement/L{layers[1]}"], cfg.window)
-    return rates
+    return rates, counts.curve()
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
@@ -149,30 +209,29 @@ def train(cfg: TrainConfig) -> Path:
     model = loaded.model if stage == 3 else loaded.model.to(accelerator.device)  # ZeRO-3 partitions it on the host
     decoder = decoder_for(model, pack_weights=False)
     cfg.check_layers(decoder.num_layers)
-    data = build_dataset(cfg.dataset, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.eval_fraction, cfg.seed)
+    inner = getattr(model, model.base_model_prefix)
+    data = TrainingData(cfg, loaded.tokenizer, inner, fingerprint_id(compute_fingerprint(loaded.model)))
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text(run_dir / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
-        logger.info("data: %d train blocks, %d held-out blocks of %d tokens", len(data.train), len(data.eval), cfg.seq_len)
+        logger.info("%s", data.describe())
 
     # the heads, initialised to reproduce the base's own exits (or restored from a checkpoint) -
     specs = [ExitSpec(l, role, cfg.head_type, cfg.head_options) for l, role in zip(cfg.heads_layers, cfg.roles())]
-    adapter = HiSpecAdapter.create(decoder, loaded.name, specs, base_revision=loaded.revision, training={
-        "dataset": cfg.dataset, "records_used": data.records_used, "records_skipped": data.records_skipped,
-        "train_tokens_available": int(data.train.numel()), "seq_len": cfg.seq_len, "head_type": cfg.head_type})
+    adapter = HiSpecAdapter.create(decoder, loaded.name, specs, base_revision=loaded.revision, training=data.info | {
+        "seq_len": cfg.seq_len, "head_type": cfg.head_type})
     if cfg.exit_vocab_size:
-        set_exit_vocab(adapter, exit_vocabulary(data.train, cfg.exit_vocab_size, decoder.vocab_size,
-                                                loaded.tokenizer.all_special_ids))
+        special = loaded.tokenizer.all_special_ids if loaded.tokenizer is not None else []
+        set_exit_vocab(adapter, exit_vocabulary(data.train_tokens(), cfg.exit_vocab_size, decoder.vocab_size, special))
     adapter.to(accelerator.device, torch.float32)  # heads train in float32 whatever the base's dtype
     state = load_heads(run_dir, adapter, decoder) if cfg.resume else None  # before DeepSpeed copies them
-    inner = getattr(model, model.base_model_prefix)
     if stage == 3:
         decoder.keep_exit(accelerator.device)
-        inner = shard_base(inner, accelerator.state.deepspeed_plugin.deepspeed_config, adapter.config.hidden_size,
-                           cfg.batch_size)
-    untrained = evaluate(cfg, decoder, inner, {l: BaseExitHead(adapter.config.hidden_size) for l in cfg.heads_layers},
-                         data.eval)
-    loss_module = HeadsLoss(adapter, decoder, LossConfig(cfg.kd_temperature, cfg.ce_weight, cfg.chunk_size))
+        data.inner = shard_base(inner, accelerator.state.deepspeed_plugin.deepspeed_config, adapter.config.hidden_size,
+                                cfg.batch_size)
+    untrained, _ = evaluate(cfg, decoder, data, {l: BaseExitHead(adapter.config.hidden_size) for l in cfg.heads_layers})
+    loss_module = HeadsLoss(adapter, decoder, LossConfig(cfg.kd_temperature, cfg.ce_weight, cfg.chunk_size,
+                                                         cfg.loss_vocab == "exit"))
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if stage:  # no dataloader: tell DeepSpeed the micro-batch (and, for ZeRO-3, what stays whole)
         heads_config(accelerator.state.deepspeed_plugin.deepspeed_config, adapter, adapter.config.hidden_size,
@@ -194,33 +253,33 @@ def train(cfg: TrainConfig) -> Path:
 
     # the loop --------------------------------------------------------------------------------
     bar = tqdm(range(start, cfg.max_steps), initial=start, total=cfg.max_steps, desc="training heads", disable=not main)
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * accelerator.num_processes
-    t0 = time.perf_counter()
+    tokens_seen, train_seconds = 0, 0.0  # by this process, evaluations and checkpoints left out
     for step in bar:
+        t0 = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         for micro in range(cfg.grad_accum):
-            idx = batch_indices(step, micro, cfg, len(data.train), accelerator.process_index, accelerator.num_processes)
-            ids = data.train[idx].to(accelerator.device)  # [B, T]
-            hidden, final = base_forward(inner, ids, cfg.heads_layers)  # k x [B, T, H], [B, T, H']
+            batch = data.batch(step, micro, accelerator.process_index, accelerator.num_processes, accelerator.device)
+            tokens_seen += batch.tokens  # hidden: k x [B, T, H], final: [B, T, H'], input_ids/valid: [B, T]
             with accelerator.accumulate(loss_module):
-                losses = loss_module(hidden, final, ids)  # [n_heads], mean KD per token
+                losses = loss_module(batch)  # [n_heads], mean KD per token
                 accelerator.backward(losses.sum())
                 optimizer.step()
                 optimizer.zero_grad()
-        speed = tokens_per_step * (step + 1 - start) / (time.perf_counter() - t0)
+        train_seconds += time.perf_counter() - t0
+        speed = tokens_seen * accelerator.num_processes / train_seconds
         logs = {f"loss/L{l}": float(x) for l, x in zip(cfg.heads_layers, losses.detach())} | {"lr": lr_at(step, cfg)}
         bar.set_postfix(loss=f"{float(losses.detach().mean()):.3f}", tok_s=f"{speed:.0f}")
         if cfg.report_to != "none":
             accelerator.log(logs | {"tokens_per_second": speed}, step=step + 1)
         done = step + 1 == cfg.max_steps
         if (step + 1) % cfg.eval_every == 0 or done:
-            rates = evaluate(cfg, decoder, inner, {l: adapter.head(l) for l in cfg.heads_layers}, data.eval)
-            history.append({"step": step + 1, **logs, **rates})
+            rates, curve = evaluate(cfg, decoder, data, {l: adapter.head(l) for l in cfg.heads_layers})
+            history.append({"step": step + 1, **logs, **rates, "train_tokens_per_second": speed})
             if cfg.report_to != "none":
                 accelerator.log(rates, step=step + 1)
             if main:
-                write_eval_report(run_dir, cfg, untrained, history)
+                write_eval_report(run_dir, cfg, untrained, history, curve)
         if (step + 1) % cfg.save_every == 0 or done:
             with master_weights(adapter, stage):  # collective under DeepSpeed; only the main process writes
                 if main:

@@ -58,9 +58,9 @@ def _heldout_loss(base_path: Path, data_file: Path, adapter: HiSpecAdapter) -> f
     base = decoder_for(loaded.model, pack_weights=False)
     cfg = _cfg(base_path, data_file, Path("unused"))
     data = build_dataset(str(data_file), loaded.tokenizer, 32, None, cfg.eval_fraction, cfg.seed)
-    hidden, final = base_forward(loaded.model.model, data.eval, [1, 3])
+    b = base_forward(loaded.model.model, data.eval, [1, 3])
     with torch.no_grad():
-        return float(distillation_loss(base, [adapter.head(1), adapter.head(3)], hidden, final, data.eval, LossConfig()).sum())
+        return float(distillation_loss(base, [adapter.head(1), adapter.head(3)], b.hidden, b.final, data.eval, LossConfig()).sum())
 
 
 def test_training_lowers_heldout_loss_and_raises_agreement(trained_run, trainable_base, data_file):

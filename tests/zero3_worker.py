@@ -24,14 +24,16 @@ def main(base_path: str, out_dir: str) -> None:
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     decoder = decoder_for(model, pack_weights=False)
     inner = model.model
-    ref_hidden, ref_final = base_forward(inner, ids, [1, 3])
+    ref = base_forward(inner, ids, [1, 3])
+    ref_hidden, ref_final = ref.hidden, ref.final
     ref_logits = decoder.final_logits(ref_final)
     numel = sum(p.numel() for p in inner.parameters())
 
     decoder.keep_exit(torch.device("cpu"))
     engine = shard_base(inner, {}, model.config.hidden_size, batch_size=2)
     held = sum(p.ds_tensor.numel() for p in inner.parameters())
-    hidden, final = base_forward(engine, ids, [1, 3])
+    got = base_forward(engine, ids, [1, 3])
+    hidden, final = got.hidden, got.final
     diff = max(float((a - b).abs().max()) for a, b in zip([*ref_hidden, ref_final], [*hidden, final]))
     logits_diff = float((decoder.final_logits(final) - ref_logits).abs().max())  # through the kept exit copies
     report = {"held_fraction": held / numel, "max_diff": diff, "logits_diff": logits_diff,

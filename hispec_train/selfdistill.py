@@ -1,0 +1,310 @@
+"""Self-distilled training data: the frozen base answers prompts with HiSpec's batched engine.
+
+EAGLE, Medusa and Kangaroo train their drafters on the target model's own outputs: the heads
+then learn the distribution they meet when decoding, not a human writer's. ``hispec-selfdistill``
+keeps ``--batch-size`` requests in flight in one continuous-batching engine (plain
+autoregressive decoding: exactly the base), alternating greedy and sampled answers, and writes
+finished records to Parquet shards of a directory that ``datasets`` reads
+(``datasets.load_dataset("parquet", data_files="OUT/shard-*.parquet")``; ``hispec-train --dataset OUT`` and
+``hispec-store`` take it directly). Each record keeps the exact token ids (prompt + answer), so
+no text round trip changes a token.
+
+Prompts the benchmarks and ``hispec-tune`` draw are left out (:func:`evaluation_prompts`).
+Every prompt is answered once greedily and once sampled (half of them greedy first), in a
+seeded order, until ``--max-tokens`` new tokens are written. ``--resume`` continues a killed run
+(records in flight when it died are generated again); a shard is written every
+``--shard-records`` records or ``--shard-seconds`` seconds, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from hispec_decode.data.prompts import encode_prompt, evaluation_prompts, humaneval_problems, sharegpt_first_turns
+from hispec_decode.errors import HiSpecError
+from hispec_decode.files import check_writable, remove_tree, write_text
+from hispec_decode.tools.cli import add_debug_arg, positive_int, run_cli
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "hispec_selfdistill.json"
+SHARD_PATTERN = "shard-{:05d}.parquet"
+PROMPT_SOURCES = ("sharegpt", "humaneval")
+RESUME_KEYS = ("base", "dtype", "prompts", "max_new_tokens", "temperature", "top_p", "seed", "max_prompt_tokens")
+
+
+@dataclass
+class SelfDistillConfig:
+    out: str
+    base: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    dtype: str = "bfloat16"
+    prompts: list[str] = field(default_factory=lambda: list(PROMPT_SOURCES))
+    max_tokens: int = 2_000_000  # new (answer) tokens to write
+    max_new_tokens: int = 384
+    max_prompt_tokens: int = 1024
+    temperature: float = 0.8
+    top_p: float = 0.95
+    batch_size: int = 32  # requests in flight
+    shard_records: int = 256
+    shard_seconds: float = 600.0
+    seed: int = 0
+    resume: bool = False
+    overwrite: bool = False
+
+
+@dataclass(frozen=True)
+class Job:
+    """One answer to write: prompt ``prompt_index``, greedy or sampled."""
+
+    job: int
+    prompt_index: int
+    source: str
+    text: str
+    do_sample: bool
+
+
+def local_prompts(path: str) -> list[str]:
+    """User prompts of a local file: ``.txt`` (one per line) or ``.json``/``.jsonl`` records
+    (``prompt``/``text``, or the first user turn of ``conversations``/``messages``)."""
+    file = Path(path)
+    if not file.is_file():
+        raise HiSpecError(f"prompt source {path!r}: no such file (sources: {', '.join(PROMPT_SOURCES)} or a file)")
+    if file.suffix == ".txt":
+        return [line.strip() for line in file.read_text().splitlines() if line.strip()]
+    from hispec_decode.data.records import read_json_records
+
+    if file.suffix == ".jsonl":
+        records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    elif file.suffix == ".json":
+        records, _ = read_json_records(file)
+    else:
+        raise HiSpecError(f"prompt file {path}: use .txt, .json or .jsonl")
+    out = []
+    for r in records:
+        text = r.get("prompt") or r.get("text") if isinstance(r, dict) else None
+        turns = (r.get("conversations") or r.get("messages")) if isinstance(r, dict) else None
+        if text is None and isinstance(turns, list) and turns and isinstance(turns[0], dict):
+            text = turns[0].get("value", turns[0].get("content"))
+        if isinstance(text, str) and text.strip():
+            out.append(text.strip())
+    return out
+
+
+def collect_prompts(sources: list[str]) -> list[tuple[str, str]]:
+    """``(source, text)`` of every usable prompt, evaluation prompts and duplicates left out."""
+    held_out = evaluation_prompts()
+    seen: set[str] = set()
+    out = []
+    for source in sources:
+        if source == "sharegpt":
+            texts = list(sharegpt_first_turns(4000))
+        elif source == "humaneval":
+            texts = humaneval_problems()
+        else:
+            texts = local_prompts(source)
+        for text in texts:
+            if text not in held_out and text not in seen:
+                seen.add(text)
+                out.append((source, text))
+    if not out:
+        raise HiSpecError(f"no usable prompts in {sources}")
+    return out
+
+
+def plan_jobs(prompts: list[tuple[str, str]], seed: int) -> list[Job]:
+    """Every prompt once greedy and once sampled: the first pass in a seeded order (half greedy),
+    then the second pass with the other mode, so a token cap stops on a mix of both."""
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    jobs = []
+    for rnd in range(2):
+        for rank, i in enumerate(order):
+            jobs.append(Job(len(jobs), i, prompts[i][0], prompts[i][1], do_sample=(rank + rnd) % 2 == 1))
+    return jobs
+
+
+def shard_paths(out: Path) -> list[Path]:
+    return sorted(out.glob("shard-*.parquet"))
+
+
+def done_jobs(out: Path) -> tuple[set[int], int]:
+    """Jobs already written, and their new tokens (read from the shards)."""
+    import pyarrow.parquet as pq
+
+    done, tokens = set(), 0
+    for path in shard_paths(out):
+        table = pq.read_table(path, columns=["job", "new_tokens"])
+        done.update(table.column("job").to_pylist())
+        tokens += sum(table.column("new_tokens").to_pylist())
+    return done, tokens
+
+
+def check_out_dir(cfg: SelfDistillConfig) -> None:
+    out = Path(cfg.out)
+    manifest = out / MANIFEST_NAME
+    if cfg.resume and cfg.overwrite:
+        raise HiSpecError("--resume and --overwrite exclude each other")
+    if cfg.resume:
+        if not manifest.is_file():
+            raise HiSpecError(f"--resume: {out} holds no self-distilled data set ({MANIFEST_NAME} missing)")
+        try:
+            before = json.loads(manifest.read_text())["config"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise HiSpecError(f"--resume: {manifest} is damaged ({exc})") from exc
+        changed = [k for k in RESUME_KEYS if before.get(k) != getattr(cfg, k)]
+        if changed:
+            raise HiSpecError(f"--resume: {', '.join(changed)} differ from the run being resumed "
+                              f"({', '.join(f'{k}={before.get(k)!r}' for k in changed)})")
+    elif out.exists() and any(out.iterdir()):
+        if not cfg.overwrite:
+            raise HiSpecError(f"{out} is not empty: pass --resume to continue it or --overwrite to start again")
+        if not manifest.is_file():
+            raise HiSpecError(f"--overwrite: {out} is not a self-distilled data set; refusing to delete it")
+        remove_tree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out, "--out")
+
+
+def write_shard(out: Path, index: int, records: list[dict[str, Any]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hispec_decode.files import atomic_file
+
+    with atomic_file(out / SHARD_PATTERN.format(index)) as tmp:
+        table = pa.Table.from_pylist(records)
+        ids = table.schema.get_field_index("input_ids")
+        table = table.set_column(ids, "input_ids", table.column(ids).cast(pa.list_(pa.int32())))
+        pq.write_table(table, tmp, compression="zstd")
+
+
+def generate(cfg: SelfDistillConfig) -> Path:
+    """Answer prompts until ``max_tokens`` new tokens are written (see the module docstring)."""
+    from hispec_decode import HiSpecModel
+    from hispec_decode.config import EngineConfig
+
+    out = Path(cfg.out)
+    check_out_dir(cfg)
+    done, written = done_jobs(out) if cfg.resume else (set(), 0)
+    jobs = [j for j in plan_jobs(collect_prompts(cfg.prompts), cfg.seed) if j.job not in done]
+    model = HiSpecModel.from_pretrained(cfg.base, heads="none", dtype=cfg.dtype)
+    tok = model.tokenizer
+    if tok is None:
+        raise HiSpecError("self-distillation needs the base's tokenizer")
+    per_seq = -(-(cfg.max_prompt_tokens + cfg.max_new_tokens) // 16)
+    engine = model.serve(method="autoregressive", max_new_tokens=cfg.max_new_tokens,
+                         engine_config=EngineConfig(num_blocks=per_seq * cfg.batch_size + 1))
+    manifest = {"config": asdict(cfg), "base": model.base_name, "jobs_planned": len(jobs) + len(done)}
+    logger.info("%d answers to write (%d done, %d new tokens so far)", len(jobs), len(done), written)
+
+    shard = len(shard_paths(out))
+    pending: dict[int, Job] = {}
+    records: list[dict[str, Any]] = []
+    skipped = 0
+    last_flush = time.monotonic()
+    queue = iter(jobs)
+    bar = tqdm(total=cfg.max_tokens, initial=min(written, cfg.max_tokens), desc="self-distilling", unit="tok")
+
+    def flush() -> None:
+        nonlocal shard, records, last_flush
+        if records:
+            write_shard(out, shard, records)
+            shard, records = shard + 1, []
+        manifest.update(new_tokens=written, shards=shard, skipped_long_prompts=skipped,
+                        updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
+        last_flush = time.monotonic()
+
+    def refill() -> None:
+        nonlocal skipped
+        budget = cfg.max_tokens - written - len(pending) * cfg.max_new_tokens // 2
+        while len(pending) < cfg.batch_size and budget > 0:
+            job = next(queue, None)
+            if job is None:
+                return
+            ids = encode_prompt(tok, job.text)
+            if len(ids) > cfg.max_prompt_tokens:
+                skipped += 1
+                continue
+            rid = engine.add_request(ids, do_sample=job.do_sample, temperature=cfg.temperature, top_p=cfg.top_p,
+                                     seed=cfg.seed * 1_000_003 + job.job)
+            pending[rid] = job
+            budget -= cfg.max_new_tokens // 2
+
+    refill()
+    while pending and written < cfg.max_tokens:
+        for output in engine.step():
+            if not output.finished:
+                continue
+            job, seq = pending.pop(output.request_id), engine.sequences[output.request_id]
+            answer = seq.new_tokens
+            records.append({
+                "job": job.job, "prompt_index": job.prompt_index, "source": job.source,
+                "messages": [{"role": "user", "content": job.text},
+                             {"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)}],
+                "input_ids": list(seq.tokens), "prompt_tokens": seq.prompt_length, "new_tokens": len(answer),
+                "do_sample": job.do_sample, "temperature": cfg.temperature if job.do_sample else 0.0,
+                "top_p": cfg.top_p if job.do_sample else 1.0, "finish_reason": seq.finish_reason,
+            })
+            del engine.sequences[output.request_id]
+            written += len(answer)
+            bar.update(len(answer))
+            if len(records) >= cfg.shard_records or time.monotonic() - last_flush > cfg.shard_seconds:
+                flush()
+        refill()
+    flush()
+    bar.close()
+    logger.info("wrote %d new tokens in %d shards to %s", written, shard, out)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hispec-selfdistill", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output directory (Parquet shards + manifest)")
+    p.add_argument("--base", help="Hub id, local dir or .gguf of the base (default: embedded SmolLM2)")
+    p.add_argument("--dtype", default="bfloat16", help="dtype the base decodes in")
+    p.add_argument("--prompts", default=",".join(PROMPT_SOURCES),
+                   help="comma-separated prompt sources: sharegpt, humaneval, or .txt/.json/.jsonl files")
+    p.add_argument("--max-tokens", type=positive_int, default=2_000_000, help="new tokens to write in all")
+    p.add_argument("--max-new-tokens", type=positive_int, default=384, help="token limit per answer")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=1024, help="longer prompts are skipped")
+    p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p of the sampled answers")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="requests decoded together")
+    p.add_argument("--shard-records", type=positive_int, default=256, help="records per shard (at most)")
+    p.add_argument("--shard-seconds", type=float, default=600.0, help="seconds between shards (at most)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt order and of the sampled answers")
+    p.add_argument("--resume", action="store_true", help="continue the data set in --out")
+    p.add_argument("--overwrite", action="store_true", help="delete the data set in --out and start again")
+    add_debug_arg(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    fields = {k: v for k, v in vars(args).items() if k != "debug"}
+    fields["prompts"] = [s for s in fields["prompts"].split(",") if s]
+
+    def run() -> int:
+        if not 0 < fields["top_p"] <= 1 or not fields["temperature"] > 0:
+            raise HiSpecError("--temperature must be > 0 and --top-p in (0, 1]")
+        generate(SelfDistillConfig(**fields))
+        return 0
+
+    return run_cli("hispec-selfdistill", run, args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Batches from a feature store (:mod:`hispec_train.store`): what the trainer reads instead of
+running the base.
+
+A batch is ``batch_size`` windows of at most ``seq_len`` tokens, each inside one stored sequence
+(so heads with attention see a real context), padded to the longest with ``valid`` False.
+Windows are drawn by a generator seeded with ``(seed, step, micro, rank)``: a resumed run draws
+what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hispec_decode.errors import HiSpecError
+
+from .store import STORE_MANIFEST, StoreManifest
+
+
+@dataclass
+class FeatureBatch:
+    hidden: list[torch.Tensor]  # per head layer: [B, T, H] states after that layer
+    final: torch.Tensor  # [B, T, H] final (normed) hidden state: the teacher
+    input_ids: torch.Tensor  # [B, T] int64
+    valid: torch.Tensor  # [B, T] bool: False on padding
+
+    @property
+    def tokens(self) -> int:
+        return int(self.valid.sum())
+
+
+class FeatureStore:
+    """A store's split held in memory-mapped shards; windows are copied out per batch."""
+
+    def __init__(self, directory: str | Path, layers: list[int], split: str, fingerprint: str | None = None) -> None:
+        self.manifest = StoreManifest.load(directory)
+        missing = [l for l in layers if l not in self.manifest.layers]
+        if missing:
+            raise HiSpecError(f"feature store {directory} holds layers {self.manifest.layers}, not {missing}: "
+                              f"rebuild it with hispec-store --layers including them")
+        if fingerprint is not None and fingerprint != self.manifest.fingerprint:
+            raise HiSpecError(f"feature store {directory} was computed by another base ({self.manifest.base}, "
+                              f"fingerprint {self.manifest.fingerprint}), not this one ({fingerprint})")
+        if not self.manifest.shards[split]:
+            raise HiSpecError(f"feature store {directory} has no {split} shards")
+        self.layers = layers
+        self.shards = []
+        for entry in self.manifest.shards[split]:
+            path = Path(directory) / str(entry["file"])
+            if not path.is_file():
+                raise HiSpecError(f"feature store {directory}: shard {path.name} listed in {STORE_MANIFEST} is missing")
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    tensors = {k: f.get_tensor(k) for k in [*(f"hidden.{l}" for l in layers), "final", "input_ids", "offsets"]}
+            except Exception as exc:  # safetensors raises its own error types for damaged files
+                raise HiSpecError(f"feature store shard {path} is damaged ({exc})") from exc
+            self.shards.append(tensors)
+        # every stored sequence as (shard, start, length)
+        self.sequences = [(s, int(o[i]), int(o[i + 1] - o[i])) for s, t in enumerate(self.shards)
+                          for o in [t["offsets"]] for i in range(len(o) - 1)]
+        self.weights = torch.tensor([float(n) for _, _, n in self.sequences])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.weights.sum())
+
+    def window(self, seq: int, start: int, length: int) -> FeatureBatch:
+        s, off, _ = self.sequences[seq]
+        t, sl = self.shards[s], slice(off + start, off + start + length)
+        return FeatureBatch([t[f"hidden.{l}"][sl][None] for l in self.layers], t["final"][sl][None],
+                            t["input_ids"][sl].long()[None], torch.ones(1, length, dtype=torch.bool))
+
+    def batch(self, generator: torch.Generator, batch_size: int, seq_len: int) -> FeatureBatch:
+        """``batch_size`` random windows (sequences drawn in proportion to their length)."""
+        picks = torch.multinomial(self.weights, batch_size, replacement=True, generator=generator).tolist()
+        rows = []
+        for seq in picks:
+            n = self.sequences[seq][2]
+            start = int(torch.randint(0, max(1, n - seq_len + 1), (1,), generator=generator))
+            rows.append(self.window(seq, start, min(seq_len, n)))
+        return collate(rows)
+
+    def sequential(self, batch_size: int, seq_len: int, max_tokens: int | None = None) -> list[FeatureBatch]:
+        """The split in order, in windows of ``seq_len`` (evaluation), up to ``max_tokens``."""
+        rows, seen = [], 0
+        for seq, (_, _, n) in enumerate(self.sequences):
+            for start in range(0, n, seq_len):
+                rows.append(self.window(seq, start, min(seq_len, n - start)))
+                seen += rows[-1].tokens
+                if max_tokens is not None and seen >= max_tokens:
+                    break
+            if max_tokens is not None and seen >= max_tokens:
+                break
+        return [collate(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
+
+
+def collate(rows: list[FeatureBatch]) -> FeatureBatch:
+    """Rows padded to the longest (zeros, ``valid`` False)."""
+    width = max(r.input_ids.shape[1] for r in rows)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        extra = width - x.shape[1]
+        if extra == 0:
+            return x
+        return torch.cat([x, x.new_zeros((1, extra, *x.shape[2:]))], dim=1)
+
+    return FeatureBatch([torch.cat([pad(r.hidden[i]) for r in rows]) for i in range(len(rows[0].hidden))],
+                        torch.cat([pad(r.final) for r in rows]), torch.cat([pad(r.input_ids) for r in rows]),
+                        torch.cat([pad(r.valid) for r in rows]))

@@ -1,0 +1,223 @@
+"""Self-distilled data, the feature store, and heads trained from it (tiny random Llama)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from hispec_decode import HiSpecAdapter, HiSpecError, HiSpecModel
+from hispec_decode.models import decoder_for, load_base
+from hispec_train.config import load_config
+from hispec_train.distill import LossConfig, distillation_loss
+from hispec_train.selfdistill import SelfDistillConfig, generate, plan_jobs
+from hispec_train.store import STORE_MANIFEST, StoreConfig, StoreManifest, build_store
+from hispec_train.store_data import FeatureStore
+from hispec_train.trainer import base_forward, train
+from hispec_train.vocab import exit_vocabulary
+
+PROMPTS = [f"What is {i} plus {i + 1}?" for i in range(12)] + [f"Say {i} twice." for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+def _distill_cfg(base: Path, prompts: Path, out: Path, **kw) -> SelfDistillConfig:
+    keys = dict(out=str(out), base=str(base), dtype="float32", prompts=[str(prompts)], max_tokens=400,
+                max_new_tokens=24, batch_size=5, shard_records=4)
+    return SelfDistillConfig(**(keys | kw))
+
+
+@pytest.fixture(scope="module")
+def distilled(trainable_base, prompt_file, tmp_path_factory) -> Path:
+    return generate(_distill_cfg(trainable_base, prompt_file, tmp_path_factory.mktemp("sd") / "data", max_tokens=10**6))
+
+
+def _records(directory: Path) -> list[dict]:
+    import datasets
+
+    ds = datasets.load_dataset("parquet", data_files=str(directory / "shard-*.parquet"), split="train")
+    return list(ds)
+
+
+def test_selfdistilled_answers_are_the_base_own_outputs(distilled, trainable_base):
+    records = _records(distilled)
+    assert len(records) == 2 * len(PROMPTS)  # every prompt, greedy and sampled
+    assert sorted(r["job"] for r in records) == list(range(2 * len(PROMPTS)))
+    assert sum(r["do_sample"] for r in records) == len(PROMPTS)
+    for text in PROMPTS:  # each prompt once greedy, once sampled
+        assert sorted(r["do_sample"] for r in records if r["messages"][0]["content"] == text) == [False, True]
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads="none")
+    for r in records[:6]:
+        prompt = r["input_ids"][: r["prompt_tokens"]]
+        assert len(r["input_ids"]) == r["prompt_tokens"] + r["new_tokens"]
+        if not r["do_sample"]:  # greedy answers equal plain greedy decoding of the prompt
+            out = model.generate([prompt], max_new_tokens=24, method="autoregressive").sequences[0]
+            assert r["input_ids"][r["prompt_tokens"]:] == out
+    manifest = json.loads((distilled / "hispec_selfdistill.json").read_text())
+    assert manifest["new_tokens"] == sum(r["new_tokens"] for r in records)
+
+
+def test_selfdistill_stops_at_the_token_cap_and_resumes(trainable_base, prompt_file, tmp_path):
+    out = tmp_path / "data"
+    generate(_distill_cfg(trainable_base, prompt_file, out, max_tokens=60))
+    first = _records(out)
+    assert 60 <= sum(r["new_tokens"] for r in first) < 60 + 5 * 24  # at most the requests in flight overshoot
+    generate(_distill_cfg(trainable_base, prompt_file, out, max_tokens=200, resume=True))
+    second = _records(out)
+    jobs = [r["job"] for r in second]
+    assert len(jobs) == len(set(jobs)) > len(first)  # nothing written twice
+    assert {r["job"]: r["input_ids"] for r in first}.items() <= {r["job"]: r["input_ids"] for r in second}.items()
+    with pytest.raises(HiSpecError, match="temperature"):
+        generate(_distill_cfg(trainable_base, prompt_file, out, temperature=0.5, resume=True))
+    with pytest.raises(HiSpecError, match="not empty"):
+        generate(_distill_cfg(trainable_base, prompt_file, out))
+
+
+def test_job_plan_alternates_greedy_and_sampled():
+    jobs = plan_jobs([("x", f"p{i}") for i in range(10)], seed=3)
+    assert len(jobs) == 20 and [j.job for j in jobs] == list(range(20))
+    first, second = jobs[:10], jobs[10:]
+    assert sum(j.do_sample for j in first) == 5
+    assert {(j.prompt_index, not j.do_sample) for j in first} == {(j.prompt_index, j.do_sample) for j in second}
+
+
+@pytest.fixture(scope="module")
+def store(distilled, trainable_base, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("store") / "features"
+    build_store(StoreConfig(str(distilled), str(out), [1, 2, 3], base=str(trainable_base), dtype="float32",
+                            eval_sequences=6, shard_tokens=300, batch_tokens=200))
+    return out
+
+
+def test_store_holds_the_base_states_of_every_sequence(store, distilled, trainable_base):
+    manifest = StoreManifest.load(store)
+    hidden = load_base(str(trainable_base)).model.config.hidden_size
+    assert manifest.bytes_per_token == 4 * hidden * 4 + 4  # 3 layers + final, float32, + the token id
+    assert len(manifest.shards["train"]) > 1 and manifest.shards["eval"]
+    total = sum(len(r["input_ids"]) for r in _records(distilled))
+    assert manifest.tokens("train") + manifest.tokens("eval") == total
+    loaded = load_base(str(trainable_base))
+    shard = load_file(str(store / manifest.shards["train"][1]["file"]))
+    offsets = shard["offsets"]
+    for i in range(len(offsets) - 1):  # each stored sequence equals a forward of that sequence alone
+        ids = shard["input_ids"][offsets[i] : offsets[i + 1]].long()[None]
+        ref = base_forward(loaded.model.model, ids, [1, 2, 3])
+        for layer, h in zip([1, 2, 3], ref.hidden):
+            torch.testing.assert_close(shard[f"hidden.{layer}"][offsets[i] : offsets[i + 1]], h[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(shard["final"][offsets[i] : offsets[i + 1]], ref.final[0], atol=1e-5, rtol=1e-4)
+
+
+def test_store_resume_rewrites_only_missing_shards(store, distilled, trainable_base, tmp_path):
+    copy = tmp_path / "features"
+    import shutil
+
+    shutil.copytree(store, copy)
+    manifest = json.loads((copy / STORE_MANIFEST).read_text())
+    lost = manifest["shards"]["train"].pop()
+    (copy / lost["file"]).unlink()
+    (copy / STORE_MANIFEST).write_text(json.dumps(manifest))
+    kept = (copy / manifest["shards"]["train"][0]["file"]).stat().st_mtime_ns
+    build_store(StoreConfig(str(distilled), str(copy), [1, 2, 3], base=str(trainable_base), dtype="float32",
+                            eval_sequences=6, shard_tokens=300, batch_tokens=200, resume=True))
+    assert (copy / manifest["shards"]["train"][0]["file"]).stat().st_mtime_ns == kept
+    assert (copy / lost["file"]).read_bytes() == (store / lost["file"]).read_bytes()
+    with pytest.raises(HiSpecError, match="layers"):
+        build_store(StoreConfig(str(distilled), str(copy), [1, 3], base=str(trainable_base), dtype="float32",
+                                resume=True))
+
+
+def test_store_refuses_missing_layers_other_bases_and_damaged_shards(store, tmp_path):
+    with pytest.raises(HiSpecError, match="not \\[4\\]"):
+        FeatureStore(store, [1, 4], "train")
+    with pytest.raises(HiSpecError, match="another base"):
+        FeatureStore(store, [1, 3], "train", fingerprint="0123")
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(store, broken)
+    manifest = StoreManifest.load(broken)
+    (broken / manifest.shards["train"][0]["file"]).write_bytes(b"not safetensors")
+    with pytest.raises(HiSpecError, match="damaged"):
+        FeatureStore(broken, [1, 3], "train")
+
+
+def test_store_batch_equals_a_base_forward_of_the_same_window(store, trainable_base):
+    fs = FeatureStore(store, [1, 3], "train")
+    batch = fs.batch(torch.Generator().manual_seed(0), 3, 16)
+    loaded = load_base(str(trainable_base))
+    for r in range(3):
+        n = int(batch.valid[r].sum())
+        assert n >= 1 and not batch.valid[r, n:].any()
+    # a window that starts a sequence is exactly the base's forward of those tokens
+    w = fs.window(0, 0, 10)
+    ref = base_forward(loaded.model.model, w.input_ids, [1, 3])
+    torch.testing.assert_close(w.hidden[1], ref.hidden[1], atol=1e-5, rtol=1e-4)
+
+
+def _store_cfg(base: Path, store: Path, out: Path, **kw):
+    keys = dict(base=str(base), features=str(store), heads_layers="1,3", seq_len=16, batch_size=4, max_steps=30,
+                eval_every=15, save_every=15, lr=3e-3, warmup_steps=2, output_dir=str(out), report_to="none",
+                eval_batches=4)
+    return load_config(None, {k: str(v) for k, v in (keys | kw).items()})
+
+
+def test_heads_train_from_the_store_and_resume_identically(store, trainable_base, tmp_path, monkeypatch):
+    run = train(_store_cfg(trainable_base, store, tmp_path / "run"))
+    report = json.loads((run / "eval.json").read_text())
+    last = report["history"][-1]
+    for layer in (1, 3):
+        assert last[f"agreement/L{layer}"] > report["untrained"][f"agreement/L{layer}"]
+        curve = report["curve"][str(layer)]
+        assert curve["top4"] >= curve["top1"] == last[f"agreement/L{layer}"]
+        cal = curve["calibration"]
+        assert cal[0]["coverage"] == 1.0 and cal[0]["precision"] == pytest.approx(curve["top1"])
+        assert all(a["coverage"] >= b["coverage"] for a, b in zip(cal, cal[1:]))
+    assert last["train_tokens_per_second"] > 0
+    calls, real = {"n": 0}, FeatureStore.batch
+
+    def dying(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 20:  # between the checkpoints at steps 15 and 30
+            raise KeyboardInterrupt("simulated kill")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FeatureStore, "batch", dying)
+    with pytest.raises(KeyboardInterrupt):
+        train(_store_cfg(trainable_base, store, tmp_path / "killed"))
+    monkeypatch.setattr(FeatureStore, "batch", real)
+    resumed = train(_store_cfg(trainable_base, store, tmp_path / "killed", resume="true"))
+    a = HiSpecAdapter.from_pretrained(run / "checkpoint").state_dict_flat()
+    b = HiSpecAdapter.from_pretrained(resumed / "checkpoint").state_dict_flat()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    with pytest.raises(HiSpecError, match="not \\[4\\]"):
+        train(_store_cfg(trainable_base, store, tmp_path / "bad", heads_layers="1,2,4"))
+
+
+def test_exit_vocabulary_loss_is_kl_over_the_vocabulary(store, trainable_base):
+    """With loss_vocab=exit, the loss is KL(teacher renormalised over V || head over V)."""
+    loaded = load_base(str(trainable_base))
+    decoder = decoder_for(loaded.model, pack_weights=False)
+    fs = FeatureStore(store, [1], "train")
+    batch = fs.batch(torch.Generator().manual_seed(1), 2, 12)
+    vocab = exit_vocabulary(batch.input_ids, 20, decoder.vocab_size).ids
+    adapter = HiSpecAdapter.create(decoder, "tiny", [__import__("hispec_decode").ExitSpec(1, "draft", "residual_linear")])
+    head = adapter.head(1)
+    head.set_vocab(vocab)
+    loss = distillation_loss(decoder, [head], batch.hidden, batch.final, batch.input_ids, LossConfig(exit_vocab=True),
+                             batch.valid)
+    teacher = F.log_softmax(decoder.lm_logits(batch.final)[..., vocab], -1)
+    student = F.log_softmax(head(batch.hidden[0], decoder)[..., vocab], -1)
+    kl = (teacher.exp() * (teacher - student)).sum(-1)
+    expected = (kl * batch.valid).sum() / batch.valid.sum()
+    torch.testing.assert_close(loss[0], expected, atol=1e-5, rtol=1e-4)
+    full = distillation_loss(decoder, [head], batch.hidden, batch.final, batch.input_ids, LossConfig(), batch.valid)
+    assert not torch.allclose(full, loss)  # the full-vocabulary loss is another quantity
