@@ -59,11 +59,23 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # keep the smallest prefix with mass >= top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        logits = logits.masked_fill(_outside_nucleus(logits, params.top_p), float("-inf"))
     return logits.softmax(-1)
+
+
+def _outside_nucleus(logits: torch.Tensor, top_p: float, head: int = 512) -> torch.Tensor:
+    """Mask [n, vocab] of the tokens outside the smallest prefix (by probability) with mass
+    >= ``top_p``. The prefix usually lies within the ``head`` most likely tokens: then a top-k
+    gives it (the same order and partial sums as a full sort) without sorting the vocabulary."""
+    probs = logits.softmax(-1)
+    if head < logits.shape[-1]:
+        top, order = probs.topk(head, dim=-1)  # sorted, descending
+        drop = top.cumsum(-1) - top >= top_p
+        if bool(drop[:, -1].all()):  # every row's nucleus ends inside the head
+            return torch.ones_like(probs, dtype=torch.bool).scatter(-1, order, drop)
+    top, order = torch.sort(probs, dim=-1, descending=True)
+    drop = top.cumsum(-1) - top >= top_p  # keep the smallest prefix with mass >= top_p
+    return drop.scatter(-1, order, drop)
 
 
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -32,9 +32,10 @@ class PagedKVCache:
         self.block_size = block_size
         self.device = torch.device(device)
         shape = (num_kv_heads, num_blocks * block_size, head_dim)
-        # Never-written slots are never read (lengths guard them), so the pools start uninitialised.
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Zeros: batched one-token attention reads whole blocks, padding included, and multiplies the
+        # padding's values by probability 0, which must not meet a NaN left in uninitialised memory.
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def slots(self, seq_id: int, start: int, end: int) -> Slots:
         """Pool slots of positions ``start..end`` of ``seq_id`` (a slice when contiguous)."""
@@ -65,6 +66,12 @@ class PagedKVCache:
         if isinstance(slots, slice):
             return self.keys[layer][None, :, slots], self.values[layer][None, :, slots]
         return self.keys[layer].index_select(1, slots)[None], self.values[layer].index_select(1, slots)[None]
+
+    def read_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of whole blocks as ``[n_kv, len(blocks), block_size, d]`` each."""
+        k, v = self.keys[layer], self.values[layer]
+        shape = (k.shape[0], -1, self.block_size, k.shape[2])
+        return k.view(shape).index_select(1, blocks), v.view(shape).index_select(1, blocks)
 
     def bytes_per_token(self) -> int:
         k = self.keys[0]

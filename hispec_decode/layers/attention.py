@@ -59,6 +59,13 @@ class AttentionMeta:
     segments: list[Segment]
     write: Slots  # pool slots of the T new tokens
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: [1, 1, T, head_dim]
+    _groups: list[RowGroup] | None = field(default=None, repr=False)
+
+    def row_groups(self, block_size: int) -> list[RowGroup]:
+        """The segments with one new token in padded groups (built once per call)."""
+        if self._groups is None:
+            self._groups = single_row_groups(self.segments, block_size)
+        return self._groups
 
     @property
     def contiguous_positions(self) -> slice | None:
@@ -67,6 +74,52 @@ class AttentionMeta:
             s = self.segments[0]
             return slice(s.start, s.start + s.num_new)
         return None
+
+
+@dataclass
+class RowGroup:
+    """One-token rows of similar context length, attended to in one padded call: their pasts
+    gathered block by block into ``[B, n_kv, blocks * block_size, d]``, padding masked out."""
+
+    starts: list[int]  # position of each row's new token
+    rows: torch.Tensor  # [B] rows of the packed batch
+    blocks: torch.Tensor  # [B * blocks_per_row] pool blocks (padding: block 0)
+    valid: torch.Tensor  # [B, blocks_per_row * block_size] bool
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[B, 1, 1, keys] bool (True = attend; broadcast over KV heads and their query groups)."""
+        if sliding_window not in self._masks:
+            allowed = self.valid
+            if sliding_window is not None:
+                q = torch.tensor(self.starts, device=allowed.device)
+                allowed = allowed & (torch.arange(allowed.shape[1], device=allowed.device)[None, :] > q[:, None] - sliding_window)
+            self._masks[sliding_window] = allowed[:, None, None, :]
+        return self._masks[sliding_window]
+
+
+def single_row_groups(segments: list[Segment], block_size: int, spread: float = 1.5) -> list[RowGroup]:
+    """The one-token segments in groups of similar length (the longest at most ``spread`` times
+    the shortest), so padding to the longest wastes little of the gather."""
+    groups: list[list[Segment]] = []
+    for seg in sorted((s for s in segments if s.num_new == 1), key=lambda s: s.start):
+        if groups and seg.start + 1 <= spread * (groups[-1][0].start + 1):
+            groups[-1].append(seg)
+        else:
+            groups.append([seg])
+    out = []
+    for group in groups:
+        device = group[0].device
+        per_row = -(-(group[-1].start + 1) // block_size)
+        blocks = torch.zeros(len(group), per_row, dtype=torch.long)
+        for i, seg in enumerate(group):
+            first = _as_index(seg.read)[::block_size] // block_size  # the block of positions 0, bs, 2 bs, ...
+            blocks[i, : len(first)] = first
+        lengths = torch.tensor([s.start + 1 for s in group])
+        valid = torch.arange(per_row * block_size)[None, :] < lengths[:, None]
+        out.append(RowGroup([s.start for s in group], torch.tensor([s.offset for s in group]).to(device),
+                            blocks.flatten().to(device), valid.to(device)))
+    return out
 
 
 def build_meta(cache: PagedKVCache, spans: list[tuple[int, int, int]]) -> AttentionMeta:
@@ -101,12 +154,36 @@ def attend(
     """Write the new K/V into ``layer``'s pool, then let each sequence attend to its own past
     and new tokens (gather-then-SDPA, grouped KV heads); returns [1, T, n_heads * head_dim]."""
     cache.write(layer, meta.write, k, v)
-    outs = []
-    for seg in meta.segments:
+    gqa = q.shape[1] != k.shape[1]
+    if len(meta.segments) == 1:
+        seg = meta.segments[0]
         keys, values = cache.read(layer, seg.read)
-        qs = q[:, :, seg.offset : seg.offset + seg.num_new]
-        outs.append(F.scaled_dot_product_attention(
-            qs, keys, values, attn_mask=seg.mask(sliding_window), scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
-        ))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=seg.mask(sliding_window), scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2).flatten(2)
+    out = torch.empty_like(q)
+    for seg in meta.segments:
+        if seg.num_new > 1:
+            keys, values = cache.read(layer, seg.read)
+            sl = slice(seg.offset, seg.offset + seg.num_new)
+            out[:, :, sl] = F.scaled_dot_product_attention(
+                q[:, :, sl], keys, values, attn_mask=seg.mask(sliding_window), scale=scale, enable_gqa=gqa)
+    for group in meta.row_groups(cache.block_size):
+        out[:, :, group.rows] = _attend_rows(q, group, cache, layer, scale, sliding_window)
     return out.transpose(1, 2).flatten(2)
+
+
+def _attend_rows(q: torch.Tensor, group: RowGroup, cache: PagedKVCache, layer: int, scale: float,
+                 sliding_window: int | None) -> torch.Tensor:
+    """Attention of a group of one-token rows as batched matrix products (on CPU ~9x faster than
+    one SDPA call per row, or one masked SDPA call): [1, n_heads, B, head_dim]. Scores and
+    softmax in float32."""
+    B, n_heads, d = len(group.starts), q.shape[1], q.shape[3]
+    keys, values = cache.read_blocks(layer, group.blocks)  # [n_kv, B * blocks_per_row, block_size, d]
+    n_kv = keys.shape[0]
+    keys = keys.reshape(n_kv, B, -1, d).transpose(0, 1)  # [B, n_kv, keys, d]
+    values = values.reshape(n_kv, B, -1, d).transpose(0, 1)
+    qs = q[0, :, group.rows].transpose(0, 1).reshape(B, n_kv, n_heads // n_kv, d)  # [B, n_kv, group, d]
+    scores = torch.matmul(qs, keys.transpose(-1, -2)).float() * scale  # [B, n_kv, group, keys]
+    scores = scores.masked_fill(~group.mask(sliding_window), float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(values.dtype), values)  # [B, n_kv, group, d]
+    return out.reshape(B, n_heads, d).transpose(0, 1)[None]
