@@ -34,7 +34,7 @@ class TrainConfig:
     base: str | None = _key(None, "Hub id, local dir, .gguf or PEFT LoRA dir of the frozen base (none: embedded SmolLM2)")
     heads_layers: list[int] = _key(None, "exit layers, increasing: the first is the draft exit L_d, the second the "
                                          "intermediate exit L_i, any others extra", factory=lambda: [4, 8])
-    head_type: str = _key("residual_linear", "norm, residual_linear, low_rank or decoder_block")
+    head_type: str = _key("residual_linear", "norm, residual_linear, low_rank, deep_context or decoder_block")
     head_options: dict[str, Any] = _key(None, "options of the head type as JSON, e.g. {\"rank\": 32}", factory=dict)
     # data
     dataset: str = _key("sharegpt", "sharegpt, a hispec-selfdistill directory, a local .json/.jsonl file or a Hub data set id")

@@ -82,16 +82,22 @@ def distillation_loss(decoder: DecoderModel, heads: list[ExitHead], hidden: list
     if valid is None:
         valid = torch.ones_like(input_ids, dtype=torch.bool)
     dtype = heads_dtype(heads, hidden[0].dtype)
-    hidden = [head.sequence_transform(h.to(dtype), decoder) for head, h in zip(heads, hidden)]  # attention-bearing heads see all of T
+    # each head's transformed states over all of T (attention-bearing heads see the whole window),
+    # one per decoding situation it meets (deep-context heads: two); the head's loss is their mean
+    variants = [head.training_transforms(h.to(dtype), decoder, teacher_hidden) for head, h in zip(heads, hidden)]
+    flat_heads = [head for head, v in zip(heads, variants) for _ in v]
+    flat = [x for v in variants for x in v]
     labels = torch.full_like(input_ids, -100)
     labels[:, :-1] = torch.where(valid[:, 1:], input_ids[:, 1:], -100)  # position t predicts token t+1
     total = None
     for s in range(0, T, cfg.chunk_size):
         sl = slice(s, s + cfg.chunk_size)
-        args = (teacher_hidden[:, sl], labels[:, sl], valid[:, sl], *(h[:, sl] for h in hidden))
-        part = checkpoint(_chunk_losses, decoder, heads, cfg, *args, use_reentrant=False)
+        args = (teacher_hidden[:, sl], labels[:, sl], valid[:, sl], *(h[:, sl] for h in flat))
+        part = checkpoint(_chunk_losses, decoder, flat_heads, cfg, *args, use_reentrant=False)
         total = part if total is None else total + part
-    return total / valid.sum().clamp(min=1)
+    per_variant = total / valid.sum().clamp(min=1)
+    sizes = [len(v) for v in variants]
+    return torch.stack([chunk.mean() for chunk in per_variant.split(sizes)])
 
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # confidence calibration points
@@ -108,6 +114,7 @@ class Agreement:
     in_top4: dict[int, int] = field(default_factory=dict)
     confident: dict[int, list[int]] = field(default_factory=dict)  # per THRESHOLDS: tokens with top prob >= t
     confident_right: dict[int, list[int]] = field(default_factory=dict)  # ... of which agree
+    first_with_final: dict[int, int] = field(default_factory=dict)  # deep-context heads: with the true context
     draft_vs_intermediate: int = 0
 
     def add(self, layer: int, n: int) -> None:
@@ -116,6 +123,7 @@ class Agreement:
     def rates(self) -> dict[str, float]:
         out = {f"agreement/L{layer}": n / self.tokens for layer, n in sorted(self.with_final.items())}
         out["agreement/draft_vs_intermediate"] = self.draft_vs_intermediate / self.tokens
+        out |= {f"agreement_true_context/L{layer}": n / self.tokens for layer, n in sorted(self.first_with_final.items())}
         return out
 
     def curve(self) -> dict[int, dict[str, object]]:
@@ -141,7 +149,10 @@ def agreement(decoder: DecoderModel, heads: dict[int, ExitHead], hidden: dict[in
     if valid is None:
         valid = torch.ones(teacher_hidden.shape[:2], dtype=torch.bool)
     dtype = heads_dtype(list(heads.values()), teacher_hidden.dtype)
-    transformed = {layer: head.sequence_transform(hidden[layer].to(dtype), decoder) for layer, head in heads.items()}
+    # the last variant is the harder case (a deep-context head reading its own earlier outputs)
+    variants = {layer: head.training_transforms(hidden[layer].to(dtype), decoder, teacher_hidden)
+                for layer, head in heads.items()}
+    transformed = {layer: v[-1] for layer, v in variants.items()}
     thresholds = torch.tensor(THRESHOLDS)
     for s in range(0, T, chunk_size):
         sl = slice(s, s + chunk_size)
@@ -160,6 +171,10 @@ def agreement(decoder: DecoderModel, heads: dict[int, ExitHead], hidden: dict[in
                 counts = getattr(into, name).setdefault(layer, [0] * len(THRESHOLDS))
                 for i, x in enumerate(add.tolist()):
                     counts[i] += x
+        for layer, v in variants.items():
+            if len(v) > 1:  # the first variant: the previous position's true final state (after a verification)
+                top = heads[layer].project(v[0][:, sl], decoder).argmax(-1)[keep]
+                into.first_with_final[layer] = into.first_with_final.get(layer, 0) + int((top == final).sum())
         if draft in tops and intermediate in tops:
             into.draft_vs_intermediate += int((tops[draft] == tops[intermediate]).sum())
         into.tokens += final.numel()

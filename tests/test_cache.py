@@ -91,3 +91,41 @@ def test_decoder_block_head_cache_equals_its_sequence_transform(tiny_models):
         h2 = inner(input_ids=torch.tensor([tokens]), output_hidden_states=True).hidden_states[2]
         want = head(h2, model.decoder)[0]
     assert torch.allclose(torch.cat(got), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])  # opt: the LM head's input (project_out) is narrower
+def test_deep_context_head_in_the_engine_equals_its_training_computation(arch, tiny_models):
+    """After a full pass, the first draft reads the final state of the previous position (the
+    training's first variant); the next draft reads the head's own output there (the second)."""
+    from hispec_decode import HiSpecAdapter
+    from hispec_decode.adapter import ExitSpec
+
+    tiny = tiny_models[arch]
+    model = tiny.load()
+    adapter = HiSpecAdapter.create(model.decoder, str(tiny.path), [ExitSpec(2, "draft", "deep_context")])
+    head = adapter.head(2).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in (head.proj.weight, head.ctx.weight):
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    runner = ModelRunner(model.decoder, {2: head})
+    tokens = [4, 8, 15, 16, 23, 42, 7, 1]
+    cache = runner.new_cache(8, 4)
+    st = _allocated(Sequence(0, tokens[:6], cache, (2, model.num_layers)))
+    runner.advance([BandRequest(st, 1, 1)])  # the full model over the prompt
+    st.committed = 6
+    st.tokens.append(tokens[6])
+    first = runner.advance([BandRequest(st, 0, 1)])[0]  # a draft at position 6: context = final state at 5
+    st.tokens.append(tokens[7])
+    second = runner.advance([BandRequest(st, 0, 1)])[0]  # position 7: context = its own output at 6
+    inner = getattr(tiny.reference, tiny.reference.base_model_prefix)
+    with torch.no_grad():
+        out = inner(input_ids=torch.tensor([tokens]), output_hidden_states=True)
+        true_ctx, own_ctx = head.training_transforms(out.hidden_states[2], model.decoder, out.last_hidden_state)
+        want_first = head.project(true_ctx, model.decoder)[0, 6]
+        want_second = head.project(own_ctx, model.decoder)[0, 7]
+    torch.testing.assert_close(first[0], want_first, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(second[0], want_second, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(first[0], head(out.hidden_states[2], model.decoder)[0, 6], atol=1e-3)  # the context counts
+    st.truncate(7)  # a rejected draft takes its own state with it
+    assert 7 not in st.own_states[2] and 6 in st.own_states[2]

@@ -104,16 +104,20 @@ def test_exits_that_accept_everything(arch, tmp_path):
 
 
 def _zero_head(head):
-    """h + W h with W = -I: the head sees a zero hidden state, so it always proposes one fixed token."""
+    """h + W h with W = -I: the head sees a zero hidden state, so it always proposes one fixed token
+    (a deep-context head also ignores its context: U = 0)."""
     with torch.no_grad():
         head.proj.weight.copy_(-torch.eye(head.proj.weight.shape[0]))
+        if hasattr(head, "ctx"):
+            head.ctx.weight.zero_()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_exits_that_reject_almost_everything(arch, hispec_models, tiny_models, references, tmp_path):
+@pytest.mark.parametrize("head_type", ["residual_linear", "deep_context"])
+def test_exits_that_reject_almost_everything(arch, head_type, hispec_models, tiny_models, references, tmp_path):
     model = hispec_models[arch]
     for roles in (("draft",), ("draft", "intermediate")):
-        specs = [ExitSpec(1, "draft", "residual_linear"), ExitSpec(3, "intermediate", "residual_linear")]
+        specs = [ExitSpec(1, "draft", head_type), ExitSpec(3, "intermediate", head_type)]
         adapter = HiSpecAdapter.create(model.decoder, str(tiny_models[arch].path), specs)
         for spec in specs:
             if spec.role in roles:
@@ -128,3 +132,23 @@ def test_exits_that_reject_almost_everything(arch, hispec_models, tiny_models, r
                 assert stats["acceptance_intermediate"] <= 0.25
             else:  # both exits propose the same fixed token: L_i agrees, L_f rejects
                 assert stats["acceptance_intermediate"] == 1.0 and stats["acceptance_final"] <= 0.25
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deep_context_heads_decode_losslessly(arch, hispec_models, tiny_models, references, tmp_path):
+    """Random deep-context heads at both exits (their contexts change every draft): greedy output
+    equals transformers', alone and batched, for both speculative methods."""
+    model = hispec_models[arch]
+    specs = [ExitSpec(1, "draft", "deep_context"), ExitSpec(3, "intermediate", "deep_context")]
+    adapter = HiSpecAdapter.create(model.decoder, str(tiny_models[arch].path), specs)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for spec in specs:
+            for p in (adapter.head(spec.layer).proj.weight, adapter.head(spec.layer).ctx.weight):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    adapter.save_pretrained(tmp_path / "deep")
+    with_heads = tiny_models[arch].load(heads=str(tmp_path / "deep"))
+    prompts = list(PROMPTS.values())
+    for method, kw in (("hispec", dict(window=4, num_draft=3)), ("self_spec", dict(num_draft=4))):
+        out = with_heads.generate(prompts, max_new_tokens=NEW, method=method, **kw)
+        assert out.sequences == [references[arch, n] for n in PROMPTS], method

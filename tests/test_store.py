@@ -221,3 +221,25 @@ def test_exit_vocabulary_loss_is_kl_over_the_vocabulary(store, trainable_base):
     torch.testing.assert_close(loss[0], expected, atol=1e-5, rtol=1e-4)
     full = distillation_loss(decoder, [head], batch.hidden, batch.final, batch.input_ids, LossConfig(), batch.valid)
     assert not torch.allclose(full, loss)  # the full-vocabulary loss is another quantity
+
+
+def test_deep_context_heads_train_from_the_store_export_and_decode_losslessly(store, trainable_base, tmp_path):
+    from hispec_train.export import export
+
+    run = train(_store_cfg(trainable_base, store, tmp_path / "run", head_type="deep_context", max_steps=20,
+                           eval_every=20, save_every=20))
+    report = json.loads((run / "eval.json").read_text())
+    last = report["history"][-1]
+    for layer in (1, 3):
+        assert last[f"agreement/L{layer}"] > report["untrained"][f"agreement/L{layer}"]
+        assert f"agreement_true_context/L{layer}" in last
+    adapter = export(run, tmp_path / "heads")
+    assert adapter.head(1).head_type == "deep_context" and adapter.head(1).ctx.weight.abs().sum() > 0
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(tmp_path / "heads"))
+    prompts = [[5, 6, 7, 8], [9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+        for method in ("self_spec", "hispec"):
+            out = model.generate([prompt], max_new_tokens=24, method=method, window=3, num_draft=3)
+            assert out.sequences[0] == ref[0, len(prompt):].tolist(), method

@@ -47,6 +47,7 @@ class ModelRunner:
         # exit heads with their own attention keep K/V in extra cache layers after the base's
         cached = sorted(layer for layer, head in self.heads.items() if head.has_cache)
         self.head_cache_layer = {layer: decoder.num_layers + j for j, layer in enumerate(cached)}
+        self.keep_final = any(head.needs_context for head in self.heads.values())  # deep-context heads read them
 
     def new_cache(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> PagedKVCache:
         return self.decoder.new_cache(num_blocks, block_size, len(self.head_cache_layer))
@@ -82,6 +83,8 @@ class ModelRunner:
             h = self.decoder.run(x, lo, hi, meta, cache)
             head = self.heads.get(hi)
             g = head.extend(h, meta, cache, self.head_cache_layer[hi], self.decoder) if hi in self.head_cache_layer else h
+            if hi == self.decoder.num_layers and self.keep_final:
+                self._keep_final_states(group, spans, meta, h)
             for (i, st), (_, start, n), seg in zip(group, spans, meta.segments):
                 for b in range(band, last + 1):
                     cache.manager.set_length(st.seq_id, b, start + n)
@@ -113,6 +116,35 @@ class ModelRunner:
             last += 1
         return last
 
+    def _keep_final_states(self, group: list[tuple[int, Sequence]], spans: list[tuple[int, int, int]],
+                           meta, h: torch.Tensor) -> None:
+        """Remember the normed final states a deep-context head may read (from the last commit on)."""
+        normed = self.decoder.exit_norm(h)[0]  # [T, C]
+        for (_, st), (_, start, n), seg in zip(group, spans, meta.segments):
+            for p in range(max(start, st.committed - 1), start + n):
+                st.final_states[p] = normed[seg.offset + p - start].clone()
+
+    def _context_transform(self, layer: int, seqs: list[Sequence], rows: list[torch.Tensor]) -> torch.Tensor:
+        """A deep-context head's transform of each sequence's newest rows ([1, n_i, hidden] each),
+        in position order: a row whose previous position has no known state yet reads the output
+        this head just computed there. Returns [1, sum n_i, hidden] in request order."""
+        head = self.heads[layer]
+        size = head.context_size
+        outs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for j in range(max(r.shape[1] for r in rows)):
+            members = [k for k, r in enumerate(rows) if r.shape[1] > j]
+            positions = [len(seqs[k].tokens) - rows[k].shape[1] + j for k in members]
+            h = torch.cat([rows[k][:, j : j + 1] for k in members], dim=1)  # [1, m, hidden]
+            zero = h.new_zeros(size)
+            ctx = torch.stack([c if (c := seqs[k].context_at(layer, p - 1)) is not None else zero
+                               for k, p in zip(members, positions)])[None]  # [1, m, C]
+            x = head.transform(h, ctx)
+            own = head.context_of(x, self.decoder)[0]  # [m, C]
+            for r, (k, p) in enumerate(zip(members, positions)):
+                seqs[k].own_states.setdefault(layer, {})[p] = own[r].clone()
+                outs[k].append(x[:, r : r + 1])
+        return torch.cat([t for per_seq in outs for t in per_seq], dim=1)
+
     def _logits(self, requests: list[BandRequest], at_top: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """One exit call per exit layer over the requested rows of every sequence."""
         out: list[torch.Tensor | None] = [None] * len(requests)
@@ -122,8 +154,13 @@ class ModelRunner:
                 if at_top[i] is None or at_top[i].shape[1] < requests[i].num_logits:
                     raise RuntimeError(f"request {i}: fewer new positions at exit {layer} than the "
                                        f"{requests[i].num_logits} asked for")
-            rows = torch.cat([at_top[i][:, -requests[i].num_logits :] for i in idx], dim=1)
-            logits = self.exit_logits(layer, rows)
+            newest = [at_top[i][:, -requests[i].num_logits :] for i in idx]
+            head = self.heads.get(layer)
+            if head is not None and head.needs_context and layer < self.decoder.num_layers:
+                x = self._context_transform(layer, [requests[i].seq for i in idx], newest)
+                logits = head.project(x, self.decoder, restrict=self.use_exit_vocab)[0]
+            else:
+                logits = self.exit_logits(layer, torch.cat(newest, dim=1))
             offset = 0
             for i in idx:
                 out[i] = logits[offset : offset + requests[i].num_logits]
@@ -137,5 +174,5 @@ class ModelRunner:
         head = self.heads.get(layer)
         if layer == self.decoder.num_layers or head is None:
             return self.decoder.final_logits(h)[0]
-        h = h if layer in self.head_cache_layer else head.transform(h)
+        h = h if layer in self.head_cache_layer else head.transform(h)  # a deep-context head: without its context
         return head.project(h, self.decoder, restrict=self.use_exit_vocab)[0]

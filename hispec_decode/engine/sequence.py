@@ -64,6 +64,10 @@ class Sequence:
         self.exits = exits  # band tops, increasing; the last one is the number of layers
         # pending[j]: hidden state at exits[j] for positions [processed(j+1), processed(j)), [1, n, hidden]
         self.pending: list[torch.Tensor | None] = [None] * (len(exits) - 1)
+        # deep-context heads: normed final states by position (where the full model ran), and each
+        # such head's own normed outputs by layer and position (kept from the last commit on)
+        self.final_states: dict[int, torch.Tensor] = {}
+        self.own_states: dict[int, dict[int, torch.Tensor]] = {}
         self.sampler = sampler or TokenSampler(SamplingParams())
         self.limit = limit if limit is not None else len(prompt) + 1  # total length at most
         self.eos = eos
@@ -86,6 +90,12 @@ class Sequence:
         """How many leading tokens the layers of ``band`` have seen."""
         return self.cache.manager.lengths(self.seq_id)[band]
 
+    def context_at(self, layer: int, position: int) -> torch.Tensor | None:
+        """The deepest known state at ``position`` for the head at ``layer``: the full model's if it
+        ran there, else that head's own output, else None."""
+        state = self.final_states.get(position)
+        return state if state is not None else self.own_states.get(layer, {}).get(position)
+
     def room(self) -> int:
         return self.limit - len(self.tokens)
 
@@ -106,12 +116,16 @@ class Sequence:
         """Free the sequence's blocks and waiting hidden states (it finished or was preempted)."""
         self.cache.manager.free(self.seq_id)
         self.pending = [None] * len(self.pending)
+        self.final_states, self.own_states = {}, {}
 
     def truncate(self, length: int) -> None:
         """Forget every token at position >= ``length``, in all bands and pending states."""
         before = [self.processed(b) for b in range(len(self.exits))]
         del self.tokens[length:]
         self.cache.manager.truncate(self.seq_id, length)
+        for states in (self.final_states, *self.own_states.values()):
+            for p in [p for p in states if p >= length]:
+                del states[p]
         for band, pending in enumerate(self.pending):
             if pending is not None:
                 keep = max(0, min(before[band], length) - before[band + 1])
@@ -141,6 +155,9 @@ class Sequence:
             self.truncate(eos_at + 1)
         self.committed = len(self.tokens)
         self.rng_state = self.sampler.generator.get_state()
+        for states in (self.final_states, *self.own_states.values()):  # only the last commit's state is read again
+            for p in [p for p in states if p < self.committed - 1]:
+                del states[p]
         if eos_at is not None:
             self.finish_reason = "stop"
         elif self.room() == 0:

@@ -39,6 +39,7 @@ def check_vocab(ids: torch.Tensor, vocab_size: int | None = None, where: str = "
 class ExitHead(nn.Module):
     head_type: ClassVar[str]
     has_cache: ClassVar[bool] = False  # True: the head attends to past positions (own K/V entries)
+    needs_context: ClassVar[bool] = False  # True: the head also reads the previous position's deep state
 
     def __init__(self, hidden_size: int, norm_keys: list[str]) -> None:
         super().__init__()
@@ -67,6 +68,11 @@ class ExitHead(nn.Module):
     def sequence_transform(self, h: torch.Tensor, decoder: DecoderModel) -> torch.Tensor:
         """The head's transform over whole sequences [B, T, hidden] (training, evaluation)."""
         return self.transform(h)
+
+    def training_transforms(self, h: torch.Tensor, decoder: DecoderModel, final: torch.Tensor) -> list[torch.Tensor]:
+        """The transformed states [B, T, hidden] the head is trained and evaluated on, one per
+        situation it meets when decoding (``final``: the teacher's normed final states [B, T, ·])."""
+        return [self.sequence_transform(h, decoder)]
 
     def project(self, h: torch.Tensor, decoder: DecoderModel, restrict: bool = True, compact: bool = False) -> torch.Tensor:
         """The head's norm and the shared LM head: transformed [..., hidden] -> logits [..., vocab]
@@ -156,6 +162,52 @@ class LowRankHead(ExitHead):
         return h + self.up(self.down(h))
 
 
+class DeepContextHead(ExitHead):
+    """``h + W h + U c``: the residual linear head plus the previous position's deepest known
+    state ``c`` (the EAGLE / GliDe idea applied to an early exit). ``c`` is the base's normed
+    final state where the full model has processed the previous position (every committed
+    token), and otherwise this head's own normed output there (the drafts it made itself, or the
+    tentative tokens it checked): the head's estimate of that final state. W and U start at zero.
+
+    Training (:meth:`training_transforms`) sees both cases: the true final states (the first
+    draft after a verification) and its own outputs from that first pass (the drafts after it).
+    The engine computes rows in position order so that a row's own-output context exists."""
+
+    head_type = "deep_context"
+    needs_context = True
+
+    def __init__(self, hidden_size: int, norm_keys: list[str], context_size: int | None = None) -> None:
+        super().__init__(hidden_size, norm_keys)
+        self.context_size = context_size or hidden_size
+        self.proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.ctx = nn.Linear(self.context_size, hidden_size, bias=False)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.ctx.weight)
+
+    def options(self) -> dict[str, Any]:
+        return {"context_size": self.context_size}
+
+    def transform(self, h: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        out = h + self.proj(h)
+        return out if context is None else out + self.ctx(context.to(out.dtype))
+
+    def context_of(self, x: torch.Tensor, decoder: DecoderModel) -> torch.Tensor:
+        """This head's estimate of the normed final state, from its transformed output ``x``."""
+        params = dict(self.norm.items()) if len(self.norm) else None
+        return decoder.exit_norm(x, params)
+
+    def training_transforms(self, h: torch.Tensor, decoder: DecoderModel, final: torch.Tensor) -> list[torch.Tensor]:
+        shifted = torch.cat([torch.zeros_like(final[:, :1]), final[:, :-1]], dim=1)  # c(t) = final(t - 1), 0 at t = 0
+        first = self.transform(h, shifted)
+        own = self.context_of(first, decoder).detach()
+        own = torch.cat([torch.zeros_like(own[:, :1]), own[:, :-1]], dim=1)
+        return [first, self.transform(h, own)]
+
+    @classmethod
+    def init_options(cls, decoder: DecoderModel, layer: int, options: dict[str, Any]) -> dict[str, Any]:
+        return {"context_size": decoder.lm_head.in_features} | options
+
+
 class DecoderBlockHead(ExitHead):
     """One more decoder layer (a copy of the base's layer ``source_layer``, by default the layer
     right after the exit) in front of the head's norm and the shared LM head. It attends to the
@@ -199,7 +251,7 @@ class DecoderBlockHead(ExitHead):
 
 
 HEAD_TYPES: dict[str, type[ExitHead]] = {
-    cls.head_type: cls for cls in (BaseExitHead, NormHead, ResidualLinearHead, LowRankHead, DecoderBlockHead)
+    cls.head_type: cls for cls in (BaseExitHead, NormHead, ResidualLinearHead, LowRankHead, DeepContextHead, DecoderBlockHead)
 }
 
 
