@@ -243,3 +243,31 @@ def test_deep_context_heads_train_from_the_store_export_and_decode_losslessly(st
         for method in ("self_spec", "hispec"):
             out = model.generate([prompt], max_new_tokens=24, method=method, window=3, num_draft=3)
             assert out.sequences[0] == ref[0, len(prompt):].tolist(), method
+
+
+def test_layer_curve_from_a_run_with_heads_at_every_layer(store, trainable_base, tmp_path):
+    from hispec_decode.tuning.curve import choose_layers, read_curve, self_spec_speedup
+    from hispec_train.curve import main as curve_main
+
+    run = train(_store_cfg(trainable_base, store, tmp_path / "run", heads_layers="1,2,3", max_steps=10,
+                           eval_every=10, save_every=10))
+    assert curve_main([str(run), "--out", str(tmp_path / "curve"), "--base", str(trainable_base),
+                       "--dtype", "float32"]) == 0
+    curve = read_curve(tmp_path / "curve.json")
+    assert sorted(curve) == [1, 2, 3] and (tmp_path / "curve.png").stat().st_size > 0
+    for layer, entry in curve.items():
+        assert 0 < entry["cost"] < 1 and 0 <= entry["top1"] <= entry["top4"] <= 1
+        assert entry["self_spec_estimate"] == self_spec_speedup(entry["top1"], entry["cost"])[0]
+    assert curve[1]["cost"] < curve[3]["cost"]
+    assert choose_layers(curve, [1, 2, 3], count=2) == sorted(
+        sorted([1, 2, 3], key=lambda l: -curve[l]["self_spec_estimate"])[:2])
+    with pytest.raises(HiSpecError, match="covers none"):
+        choose_layers(curve, [5])
+
+
+def test_self_spec_estimate():
+    from hispec_decode.tuning.curve import self_spec_speedup
+
+    assert self_spec_speedup(0.0, 0.1) == (1.0, 0)  # nothing accepted: never draft
+    speedup, k = self_spec_speedup(0.8, 0.1)
+    assert k > 1 and speedup == pytest.approx(sum(0.8**i for i in range(k + 1)) / (1 + 0.1 * k))

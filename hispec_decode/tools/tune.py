@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=positive_int, default=8)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--confirm", type=positive_int, default=4, help="best predicted policies decoded for real")
+    p.add_argument("--curve", type=Path, default=None,
+                   help="a layer curve (hispec-curve): pair only the exits it rates best (for adapters with many heads)")
     p.add_argument("--json", type=Path, default=None, help="also write the measurements to this file")
     p.add_argument("--report", type=Path, default=None, help="also write a Markdown report (predicted vs measured)")
     add_debug_arg(p)
@@ -52,6 +54,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..data.prompts import CHAT_FREE, encode_prompt, prompt_set
     from ..files import write_text
     from ..tuning import tune
+    from ..tuning.curve import choose_layers, read_curve
 
     heads = Path(args.heads) if args.heads is not None else (DEFAULT_HEADS_DIR if args.base is None else None)
     if heads is None or not (heads / CONFIG_NAME).is_file():
@@ -63,7 +66,11 @@ def _run(args: argparse.Namespace) -> int:
             raise HiSpecError("tuning needs the base's tokenizer for its calibration prompts")
         prompts = [encode_prompt(model.tokenizer, t, chat=args.prompts not in CHAT_FREE)
                    for t in prompt_set(args.prompts, args.num_prompts, CALIBRATION_SEED)]
-        results[dtype] = tune(model, prompts, args.max_new_tokens, args.confirm)
+        layers = None
+        if args.curve is not None and model.adapter is not None:
+            layers = choose_layers(read_curve(args.curve), sorted(e.layer for e in model.adapter.config.exits))
+            print(f"{dtype}: exits chosen from the layer curve: {layers}")
+        results[dtype] = tune(model, prompts, args.max_new_tokens, args.confirm, layers)
         config = HiSpecAdapterConfig.from_pretrained(heads)  # re-read: only the policy section changes
         config.policy[str(model.decoder.dtype).removeprefix("torch.")] = results[dtype]
         config.save_pretrained(heads)

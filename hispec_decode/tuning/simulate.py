@@ -31,6 +31,10 @@ class Trace:
     limit: int  # the total length decoding was allowed (the continuation is shorter if it ended at EOS)
     top: dict[int, list[int]] = field(default_factory=dict)  # exit layer -> top token predicted at each position
     conf: dict[int, list[float]] = field(default_factory=dict)  # exit layer -> its probability
+    # deep-context heads: the same where the previous position's true final state is known (after a
+    # commit); ``top``/``conf`` then hold them reading their own output there (drafts after the first)
+    top_true: dict[int, list[int]] = field(default_factory=dict)
+    conf_true: dict[int, list[float]] = field(default_factory=dict)
 
 
 @torch.inference_mode()
@@ -38,19 +42,27 @@ def record_trace(runner: ModelRunner, model: torch.nn.Module, prompt: list[int],
                  layers: list[int], max_new_tokens: int | None = None) -> Trace:
     """Each exit's top token and probability at every position of ``prompt + continuation``."""
     tokens = prompt + continuation
-    out = model(input_ids=torch.tensor([tokens]), output_hidden_states=True)
+    inner = getattr(model, model.base_model_prefix)
+    out = inner(input_ids=torch.tensor([tokens]), output_hidden_states=True)
     trace = Trace(tokens, len(prompt), len(prompt) + (max_new_tokens or len(continuation)))
+
+    def top_of(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        conf, top = logits.float().softmax(-1).max(-1)
+        return top.tolist(), conf.tolist()
+
     for layer in layers:
         head = runner.heads.get(layer)
         h = out.hidden_states[layer]
-        if head is not None and layer in runner.head_cache_layer:
-            h = head.sequence_transform(h.to(next(head.parameters()).dtype), runner.decoder).to(h.dtype)
-            logits = head.project(h, runner.decoder, restrict=runner.use_exit_vocab)[0]
+        if head is not None and (layer in runner.head_cache_layer or head.needs_context):
+            dtype = next(head.parameters()).dtype
+            variants = head.training_transforms(h.to(dtype), runner.decoder, out.last_hidden_state)
+            if len(variants) > 1:
+                trace.top_true[layer], trace.conf_true[layer] = top_of(
+                    head.project(variants[0].to(h.dtype), runner.decoder, restrict=runner.use_exit_vocab)[0])
+            logits = head.project(variants[-1].to(h.dtype), runner.decoder, restrict=runner.use_exit_vocab)[0]
         else:
             logits = runner.exit_logits(layer, h)
-        probs = logits.float().softmax(-1)
-        conf, top = probs.max(-1)
-        trace.top[layer], trace.conf[layer] = top.tolist(), conf.tolist()
+        trace.top[layer], trace.conf[layer] = top_of(logits)
     return trace
 
 
@@ -118,7 +130,9 @@ class _Runner:
             if layer == self.num_layers:  # the full model: the trace's own next token
                 predictions.append((self.trace.tokens[p + 1] if p + 1 < len(self.trace.tokens) else -1, 1.0))
             elif p < len(self.trace.tokens):
-                predictions.append((self.trace.top[layer][p], self.trace.conf[layer][p]))
+                true_context = layer in self.trace.top_true and p - 1 < seq.committed  # the full model ran at p - 1
+                top, conf = (self.trace.top_true, self.trace.conf_true) if true_context else (self.trace.top, self.trace.conf)
+                predictions.append((top[layer][p], conf[layer][p]))
             else:  # past the end of the trace (after drafts the base never made): nothing to say
                 predictions.append((-1, 0.0))
         return torch.tensor(predictions, dtype=torch.float64)

@@ -99,12 +99,15 @@ def batch_thresholds(costs: CostModel, num_layers: int, cap: float) -> dict[str,
     return out
 
 
-def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confirm: int = 4) -> dict[str, Any]:
+def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confirm: int = 4,
+         layers: list[int] | None = None) -> dict[str, Any]:
     """The chosen ``hispec`` and ``self_spec`` policies for ``model``'s adapter and dtype, with the
-    measurements that chose them (what ``hispec-tune`` writes into ``hispec_config.json``)."""
+    measurements that chose them (what ``hispec-tune`` writes into ``hispec_config.json``).
+    ``layers``: the exits to pair (default: every head's; see :func:`.curve.choose_layers`)."""
     n = model.num_layers
-    layers = sorted(e.layer for e in model.adapter.config.exits) if model.adapter is not None else \
-        [model.policy(method="hispec").draft_layer, model.policy(method="hispec").verify_layer]
+    if layers is None:
+        layers = sorted(e.layer for e in model.adapter.config.exits) if model.adapter is not None else \
+            [model.policy(method="hispec").draft_layer, model.policy(method="hispec").verify_layer]
     eos = model.decoder.default_eos_ids()
     logger.info("calibration: decoding %d prompts", len(prompts))
     plain = model.generate(prompts, max_new_tokens=max_new_tokens, method="autoregressive")
