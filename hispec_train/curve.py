@@ -98,14 +98,18 @@ def plot_curve(curve: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec-curve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a hispec-train run directory")
     p.add_argument("--out", type=Path, required=True, help="output prefix: writes OUT.json and OUT.png")
     p.add_argument("--base", help="the run's base (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", help="dtype the exit costs are measured in")
     add_debug_arg(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     def run() -> int:

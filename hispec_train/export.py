@@ -40,6 +40,14 @@ from .trainer import TrainingData, evaluate, set_exit_vocab
 from .vocab import exit_vocabulary
 
 
+def _data_line(training: dict[str, Any]) -> str:
+    if training.get("features"):
+        return (f"data `{training.get('dataset')}` read from a feature store "
+                f"({training.get('train_tokens_available'):,} training tokens)")
+    return (f"data `{training.get('dataset')}` ({training.get('records_used')} records used, "
+            f"{training.get('records_skipped')} skipped)")
+
+
 def model_card(adapter: HiSpecAdapter, report: dict[str, Any], steps: int) -> str:
     cfg = adapter.config
     last = report["history"][-1] if report.get("history") else {}
@@ -56,6 +64,12 @@ def model_card(adapter: HiSpecAdapter, report: dict[str, Any], steps: int) -> st
         extra = (f"\nDraft agrees with the intermediate exit on {last['agreement/draft_vs_intermediate']:.3f} of tokens; "
                  f"expected accepted length at the intermediate exit for a window of {report['window']}: "
                  f"{last.get('expected_accepted/intermediate', float('nan')):.2f}.\n")
+    context = {e.layer: last[f"agreement_true_context/L{e.layer}"] for e in cfg.exits
+               if f"agreement_true_context/L{e.layer}" in last}
+    if context:
+        extra += ("\nDeep-context heads: the agreement above is with the head reading its own previous output "
+                  "(every draft after the first); with the previous position's true final state (the first draft "
+                  "after a verification) it is " + ", ".join(f"{v:.3f} at L{l}" for l, v in context.items()) + ".\n")
     vocab_header, vocab_rule, vocab_note = "", "", ""
     trained_vocab = f" ({report['trained_exit_vocab_size']}-token exit vocabulary)" if report.get("trained_exit_vocab_size") else ""
     if vocab:
@@ -77,8 +91,7 @@ Heads only ({size:,} parameters); the base model is not included.
 
 - Base: `{cfg.base_model}` (fingerprint `{fingerprint_id(cfg.base_fingerprint)}`; {cfg.num_hidden_layers} layers,
   hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size})
-- Training: {steps} steps, data `{cfg.training.get('dataset')}` ({cfg.training.get('records_used')} records used,
-  {cfg.training.get('records_skipped')} skipped), sequence length {cfg.training.get('seq_len')}
+- Training: {steps} steps, {_data_line(cfg.training)}, sequence length {cfg.training.get('seq_len')}
 
 ## Held-out top-1 agreement with the final layer
 

@@ -59,6 +59,15 @@ def test_command_lines_parse(argv):
         bench.parse_args(args)
     elif prog == "hispec-export":
         export_parser().parse_args(args)
+    elif prog in ("hispec-selfdistill", "hispec-store", "hispec-curve", "hispec-tune"):
+        import importlib
+
+        module = {"hispec-selfdistill": "hispec_train.selfdistill", "hispec-store": "hispec_train.store",
+                  "hispec-curve": "hispec_train.curve", "hispec-tune": "hispec_decode.tools.tune"}[prog]
+        importlib.import_module(module).build_parser().parse_args(args)
+    elif prog == "hispec-train":
+        overrides = parse_overrides(args)
+        load_config(ROOT / overrides.pop("recipe"), overrides)
     elif prog == "accelerate":
         assert args[:2] == ["launch", "--cpu"] and (ROOT / args[2]).is_file(), args
         overrides = parse_overrides(args[3:])
