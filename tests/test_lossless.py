@@ -89,9 +89,14 @@ def _identity_above(draft_layer: int):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "opt"])
-def test_exits_that_accept_everything(arch, tmp_path):
-    tiny = save_tiny(arch, tmp_path, mutate=_identity_above(1))
+@pytest.mark.parametrize("head_type", [None, "deep_context"])
+def test_exits_that_accept_everything(arch, head_type, tmp_path):
+    tiny = save_tiny(arch, tmp_path / "base", mutate=_identity_above(1))
     model = tiny.load()
+    if head_type is not None:  # fresh heads reproduce the base's exits: every draft is still right
+        specs = [ExitSpec(1, "draft", head_type), ExitSpec(3, "intermediate", head_type)]
+        HiSpecAdapter.create(model.decoder, str(tiny.path), specs).save_pretrained(tmp_path / "heads")
+        model = tiny.load(heads=str(tmp_path / "heads"))
     for n, prompt in PROMPTS.items():
         ref = tiny.hf_generate(prompt, NEW)
         hi = model.generate([prompt], max_new_tokens=NEW, method="hispec", draft_layer=1, verify_layer=3, window=4, num_draft=3)
