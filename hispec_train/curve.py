@@ -49,9 +49,9 @@ def build_curve(run_dir: Path, base: str | None, dtype: str) -> dict[str, Any]:
     curve = report.get("curve") or {}
     if not curve:
         raise HiSpecError(f"{path} has no per-layer curve (written by this version's evaluations)")
-    costs = exit_costs(run_dir, base, dtype)
-    last = report["history"][-1]
     train_cfg = json.loads((run_dir / "train_config.json").read_text())
+    costs = exit_costs(run_dir, base if base is not None else train_cfg.get("base"), dtype)
+    last = report["history"][-1]
     layers = {}
     for layer, entry in sorted(curve.items(), key=lambda kv: int(kv[0])):
         speedup, k = self_spec_speedup(entry["top1"], costs[int(layer)])
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec-curve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a hispec-train run directory")
     p.add_argument("--out", type=Path, required=True, help="output prefix: writes OUT.json and OUT.png")
-    p.add_argument("--base", help="the run's base (default: embedded SmolLM2)")
+    p.add_argument("--base", help="the run's base (default: the one in its train_config.json)")
     p.add_argument("--dtype", default="bfloat16", help="dtype the exit costs are measured in")
     add_debug_arg(p)
     return p

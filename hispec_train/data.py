@@ -44,6 +44,11 @@ class PackedData:
 
 def load_records(dataset: str) -> tuple[list[dict[str, Any]], int]:
     """Raw records of a data set (see the module docstring) and how many were skipped."""
+    if is_selfdistilled(dataset):
+        import pyarrow.parquet as pq
+
+        records = [r for shard in sorted(Path(dataset).glob("shard-*.parquet")) for r in pq.read_table(shard).to_pylist()]
+        return records, 0
     if dataset == SHAREGPT_NAME:
         records, skipped = read_json_records(sharegpt_path())
         logger.info("ShareGPT: %d records read, %d skipped (truncated or broken)", len(records), skipped)
@@ -74,6 +79,13 @@ def load_records(dataset: str) -> tuple[list[dict[str, Any]], int]:
                           f"a local .json/.jsonl/.parquet/.txt file or a reachable Hub data set") from exc
 
 
+def is_selfdistilled(dataset: str) -> bool:
+    """A directory written by ``hispec-selfdistill`` (records with the exact token ids)."""
+    from .selfdistill import MANIFEST_NAME
+
+    return (Path(dataset) / MANIFEST_NAME).is_file()
+
+
 def to_messages(record: dict[str, Any]) -> list[dict[str, str]] | str | None:
     """A record as chat messages, or as plain text, or None when it holds nothing usable."""
     turns = record.get("conversations") or record.get("messages")
@@ -98,6 +110,12 @@ def tokenize_records(tokenizer, records: Iterable[dict[str, Any]], max_tokens: i
     ids: list[int] = []
     used = unusable = 0
     for record in tqdm(records, desc="tokenizing", unit="rec", leave=False):
+        if isinstance(record.get("input_ids"), list) and record["input_ids"]:  # self-distilled: the exact ids
+            ids.extend(record["input_ids"])
+            used += 1
+            if max_tokens is not None and len(ids) >= max_tokens:
+                break
+            continue
         item = to_messages(record)
         if item is None:
             unusable += 1

@@ -147,13 +147,13 @@ def agreement(decoder: DecoderModel, heads: dict[int, ExitHead], hidden: dict[in
     over the ``valid`` positions (default: all)."""
     T = teacher_hidden.shape[1]
     if valid is None:
-        valid = torch.ones(teacher_hidden.shape[:2], dtype=torch.bool)
+        valid = torch.ones(teacher_hidden.shape[:2], dtype=torch.bool, device=teacher_hidden.device)
     dtype = heads_dtype(list(heads.values()), teacher_hidden.dtype)
     # the last variant is the harder case (a deep-context head reading its own earlier outputs)
     variants = {layer: head.training_transforms(hidden[layer].to(dtype), decoder, teacher_hidden)
                 for layer, head in heads.items()}
     transformed = {layer: v[-1] for layer, v in variants.items()}
-    thresholds = torch.tensor(THRESHOLDS)
+    thresholds = torch.tensor(THRESHOLDS, device=teacher_hidden.device)
     for s in range(0, T, chunk_size):
         sl = slice(s, s + chunk_size)
         keep = valid[:, sl]

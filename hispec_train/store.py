@@ -12,7 +12,8 @@ Layout of a store directory::
     train-00000.safetensors ...     hidden.<layer> [N, H], final [N, H] (dtype), input_ids [N] int32,
     eval-00000.safetensors  ...     offsets [S + 1] int64 (where each of the S sequences starts)
 
-Bytes per token: ``(len(layers) + 1) * hidden_size * 2 + 4`` in bfloat16 (SmolLM2-135M with
+Bytes per token: ``(len(layers) + 1) * hidden_size * 2 + 4`` in bfloat16 (the final state has the
+LM head's input size, narrower for OPT models with ``project_out``) (SmolLM2-135M with
 layers 4 and 8: 3,460 B; every second layer: 17,284 B). Where it stops paying: the store
 replaces one base forward per epoch with a disk read of that size per token; for a 7B base
 (hidden 4096) two exits cost 24.6 KB/token (49 GB per 2M tokens), still cheaper than a 7B
@@ -30,7 +31,7 @@ import random
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -65,10 +66,13 @@ class StoreConfig:
     overwrite: bool = False
 
 
+PLAN_KEYS = ("max_tokens", "max_seq_len", "eval_sequences", "shard_tokens", "seed")  # what decides the shards
+
+
 @dataclass
 class StoreManifest:
     base: str
-    fingerprint: str
+    fingerprint: dict[str, Any]  # of the base (compared with a tolerance: another dtype of it still matches)
     layers: list[int]
     dtype: str
     hidden_size: int
@@ -76,6 +80,7 @@ class StoreManifest:
     dataset: str
     num_sequences: int  # in the data set when the store was planned (a resume needs the same)
     bytes_per_token: int
+    plan: dict[str, Any] = field(default_factory=dict)  # the PLAN_KEYS the shards were cut with
     shards: dict[str, list[dict[str, int | str]]] = field(default_factory=lambda: {s: [] for s in SPLITS})
 
     def tokens(self, split: str) -> int:
@@ -203,7 +208,7 @@ def check_out(cfg: StoreConfig) -> None:
 
 def build_store(cfg: StoreConfig) -> StoreManifest:
     """Run the base over the data set once and write the store (resumable shard by shard)."""
-    from hispec_decode.adapter.fingerprint import compute_fingerprint, fingerprint_id
+    from hispec_decode.adapter.fingerprint import compute_fingerprint, fingerprints_match
     from hispec_decode.models import decoder_for, load_base
 
     check_out(cfg)
@@ -216,16 +221,19 @@ def build_store(cfg: StoreConfig) -> StoreManifest:
     hidden = loaded.model.config.hidden_size
     dtype = parse_dtype(cfg.dtype)
     seqs = token_sequences(cfg.dataset, loaded.tokenizer, cfg.max_seq_len)
-    manifest = StoreManifest(loaded.name, fingerprint_id(compute_fingerprint(loaded.model)), cfg.layers, cfg.dtype, hidden,
+    final_size = decoder.lm_head.in_features  # the LM head's input (OPT's project_out makes it narrower)
+    manifest = StoreManifest(loaded.name, compute_fingerprint(loaded.model), cfg.layers, cfg.dtype, hidden,
                              decoder.num_layers, cfg.dataset, len(seqs),
-                             (len(cfg.layers) + 1) * hidden * dtype.itemsize + 4)
+                             (len(cfg.layers) * hidden + final_size) * dtype.itemsize + 4,
+                             {k: getattr(cfg, k) for k in PLAN_KEYS})
     if cfg.resume:
         before = StoreManifest.load(out)
-        key = ("fingerprint", "layers", "dtype", "dataset", "num_sequences")
-        changed = [k for k in key if getattr(before, k) != getattr(manifest, k)]
+        changed = [k for k in ("layers", "dtype", "dataset", "num_sequences", "plan") if getattr(before, k) != getattr(manifest, k)]
+        if not fingerprints_match(before.fingerprint, manifest.fingerprint):
+            changed.insert(0, "base")
         if changed:
             raise HiSpecError(f"--resume: {', '.join(changed)} differ from the store being resumed (a data set that "
-                              f"grew needs a new store: --overwrite)")
+                              f"grew, or other shard settings, need a new store: --overwrite)")
         manifest.shards = before.shards
     plan = plan_shards(seqs, cfg)
     inner = getattr(loaded.model, loaded.model.base_model_prefix)

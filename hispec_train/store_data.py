@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from hispec_decode.adapter.fingerprint import fingerprint_id, fingerprints_match
 from hispec_decode.errors import HiSpecError
 
 from .store import STORE_MANIFEST, StoreManifest
@@ -33,17 +34,19 @@ class FeatureBatch:
 
 
 class FeatureStore:
-    """A store's split held in memory-mapped shards; windows are copied out per batch."""
+    """A store's split, its shards read into memory (the requested layers only); windows are
+    copied out per batch."""
 
-    def __init__(self, directory: str | Path, layers: list[int], split: str, fingerprint: str | None = None) -> None:
+    def __init__(self, directory: str | Path, layers: list[int], split: str, fingerprint: dict | None = None) -> None:
         self.manifest = StoreManifest.load(directory)
         missing = [l for l in layers if l not in self.manifest.layers]
         if missing:
             raise HiSpecError(f"feature store {directory} holds layers {self.manifest.layers}, not {missing}: "
                               f"rebuild it with hispec-store --layers including them")
-        if fingerprint is not None and fingerprint != self.manifest.fingerprint:
+        if fingerprint is not None and not fingerprints_match(self.manifest.fingerprint, fingerprint):
             raise HiSpecError(f"feature store {directory} was computed by another base ({self.manifest.base}, "
-                              f"fingerprint {self.manifest.fingerprint}), not this one ({fingerprint})")
+                              f"fingerprint {fingerprint_id(self.manifest.fingerprint)}), not this one "
+                              f"({fingerprint_id(fingerprint)})")
         if not self.manifest.shards[split]:
             raise HiSpecError(f"feature store {directory} has no {split} shards")
         self.layers = layers

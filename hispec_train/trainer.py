@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from hispec_decode.adapter import ExitSpec, HiSpecAdapter
-from hispec_decode.adapter.fingerprint import compute_fingerprint, fingerprint_id
+from hispec_decode.adapter.fingerprint import compute_fingerprint
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import check_writable, remove_tree, write_text
 from hispec_decode.layers.exit_heads import BaseExitHead
@@ -76,7 +76,7 @@ def base_forward(inner: nn.Module, input_ids: torch.Tensor, layers: list[int]) -
 class TrainingData:
     """Where batches come from: packed token blocks run through the base, or a feature store."""
 
-    def __init__(self, cfg: TrainConfig, tokenizer, inner: nn.Module, fingerprint: str) -> None:
+    def __init__(self, cfg: TrainConfig, tokenizer, inner: nn.Module, fingerprint: dict) -> None:
         self.cfg, self.inner = cfg, inner
         self.blocks: PackedData | None = None
         self.store = self.eval_store = None
@@ -210,7 +210,7 @@ def train(cfg: TrainConfig) -> Path:
     decoder = decoder_for(model, pack_weights=False)
     cfg.check_layers(decoder.num_layers)
     inner = getattr(model, model.base_model_prefix)
-    data = TrainingData(cfg, loaded.tokenizer, inner, fingerprint_id(compute_fingerprint(loaded.model)))
+    data = TrainingData(cfg, loaded.tokenizer, inner, compute_fingerprint(loaded.model))
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text(run_dir / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=2, sort_keys=True))

@@ -99,6 +99,7 @@ def test_deep_context_head_in_the_engine_equals_its_training_computation(arch, t
     training's first variant); the next draft reads the head's own output there (the second)."""
     from hispec_decode import HiSpecAdapter
     from hispec_decode.adapter import ExitSpec
+    from hispec_decode.decoding.sampling import Verdict
 
     tiny = tiny_models[arch]
     model = tiny.load()
@@ -111,10 +112,9 @@ def test_deep_context_head_in_the_engine_equals_its_training_computation(arch, t
     runner = ModelRunner(model.decoder, {2: head})
     tokens = [4, 8, 15, 16, 23, 42, 7, 1]
     cache = runner.new_cache(8, 4)
-    st = _allocated(Sequence(0, tokens[:6], cache, (2, model.num_layers)))
+    st = _allocated(Sequence(0, tokens[:6], cache, (2, model.num_layers), limit=20))
     runner.advance([BandRequest(st, 1, 1)])  # the full model over the prompt
-    st.committed = 6
-    st.tokens.append(tokens[6])
+    st.commit(6, Verdict(0, tokens[6], None))  # its token is committed (older states are pruned)
     first = runner.advance([BandRequest(st, 0, 1)])[0]  # a draft at position 6: context = final state at 5
     st.tokens.append(tokens[7])
     second = runner.advance([BandRequest(st, 0, 1)])[0]  # position 7: context = its own output at 6
@@ -129,3 +129,14 @@ def test_deep_context_head_in_the_engine_equals_its_training_computation(arch, t
     assert not torch.allclose(first[0], head(out.hidden_states[2], model.decoder)[0, 6], atol=1e-3)  # the context counts
     st.truncate(7)  # a rejected draft takes its own state with it
     assert 7 not in st.own_states[2] and 6 in st.own_states[2]
+
+
+def test_deep_context_falls_back_to_a_deeper_heads_state():
+    """Where the draft head never ran (the intermediate exit accepted its last draft), the next
+    draft reads the intermediate head's output there rather than nothing."""
+    st = Sequence.__new__(Sequence)
+    st.final_states, st.own_states = {5: torch.full((2,), 5.0)}, {2: {6: torch.full((2,), 2.0)}, 8: {6: torch.ones(2), 7: torch.full((2,), 8.0)}}
+    assert float(st.context_at(2, 5)[0]) == 5.0  # the full model's state first
+    assert float(st.context_at(2, 6)[0]) == 2.0  # then the head's own
+    assert float(st.context_at(2, 7)[0]) == 8.0  # then a deeper head's
+    assert st.context_at(2, 9) is None

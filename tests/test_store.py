@@ -132,14 +132,22 @@ def test_store_resume_rewrites_only_missing_shards(store, distilled, trainable_b
     assert (copy / lost["file"]).read_bytes() == (store / lost["file"]).read_bytes()
     with pytest.raises(HiSpecError, match="layers"):
         build_store(StoreConfig(str(distilled), str(copy), [1, 3], base=str(trainable_base), dtype="float32",
-                                resume=True))
+                                eval_sequences=6, shard_tokens=300, batch_tokens=200, resume=True))
+    with pytest.raises(HiSpecError, match="plan"):  # other shard boundaries would duplicate or drop sequences
+        build_store(StoreConfig(str(distilled), str(copy), [1, 2, 3], base=str(trainable_base), dtype="float32",
+                                eval_sequences=6, shard_tokens=500, batch_tokens=200, resume=True))
 
 
 def test_store_refuses_missing_layers_other_bases_and_damaged_shards(store, tmp_path):
     with pytest.raises(HiSpecError, match="not \\[4\\]"):
         FeatureStore(store, [1, 4], "train")
+    other = dict(StoreManifest.load(store).fingerprint)
+    other["signature"] = [x + 1.0 for x in other["signature"]]
     with pytest.raises(HiSpecError, match="another base"):
-        FeatureStore(store, [1, 3], "train", fingerprint="0123")
+        FeatureStore(store, [1, 3], "train", fingerprint=other)
+    same = dict(StoreManifest.load(store).fingerprint)  # the same base in another dtype: within tolerance
+    same["signature"] = [float(torch.tensor(x).bfloat16()) for x in same["signature"]]
+    FeatureStore(store, [1, 3], "train", fingerprint=same)
     import shutil
 
     broken = tmp_path / "broken"
@@ -271,3 +279,25 @@ def test_self_spec_estimate():
     assert self_spec_speedup(0.0, 0.1) == (1.0, 0)  # nothing accepted: never draft
     speedup, k = self_spec_speedup(0.8, 0.1)
     assert k > 1 and speedup == pytest.approx(sum(0.8**i for i in range(k + 1)) / (1 + 0.1 * k))
+
+
+def test_selfdistilled_records_train_with_their_exact_ids(distilled, trainable_base):
+    from hispec_train.data import build_dataset, load_records, tokenize_records
+
+    records, skipped = load_records(str(distilled))
+    assert skipped == 0 and len(records) == 2 * len(PROMPTS)
+    tok = load_base(str(trainable_base)).tokenizer
+    ids, used, _ = tokenize_records(tok, records)
+    assert used == len(records) and ids == [t for r in records for t in r["input_ids"]]  # no re-tokenisation
+    data = build_dataset(str(distilled), tok, 16, None, 0.1, 0)
+    assert (len(data.train) + len(data.eval)) * 16 == len(ids) // 16 * 16
+
+
+def test_selfdistill_resume_refuses_a_changed_prompt_file(trainable_base, prompt_file, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(prompt_file.read_text())
+    out = tmp_path / "data"
+    generate(_distill_cfg(trainable_base, prompts, out, max_tokens=30))
+    prompts.write_text("Something else entirely?\n" + prompt_file.read_text())
+    with pytest.raises(HiSpecError, match="prompts .* changed"):
+        generate(_distill_cfg(trainable_base, prompts, out, max_tokens=60, resume=True))

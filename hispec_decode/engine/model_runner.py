@@ -121,7 +121,7 @@ class ModelRunner:
         """Remember the normed final states a deep-context head may read (from the last commit on)."""
         normed = self.decoder.exit_norm(h)[0]  # [T, C]
         for (_, st), (_, start, n), seg in zip(group, spans, meta.segments):
-            for p in range(max(start, st.committed - 1), start + n):
+            for p in range(max(start, st.committed - 2), start + n):
                 st.final_states[p] = normed[seg.offset + p - start].clone()
 
     def _context_transform(self, layer: int, seqs: list[Sequence], rows: list[torch.Tensor]) -> torch.Tensor:

@@ -92,9 +92,15 @@ class Sequence:
 
     def context_at(self, layer: int, position: int) -> torch.Tensor | None:
         """The deepest known state at ``position`` for the head at ``layer``: the full model's if it
-        ran there, else that head's own output, else None."""
+        ran there, else that head's own output, else a deeper head's (when the intermediate exit
+        accepted every draft, the draft head never ran at the last one), else any head's, else None."""
         state = self.final_states.get(position)
-        return state if state is not None else self.own_states.get(layer, {}).get(position)
+        if state is None:
+            state = self.own_states.get(layer, {}).get(position)
+        for other in sorted(self.own_states, key=lambda l: (l < layer, -l)):  # deeper heads first
+            if state is None:
+                state = self.own_states[other].get(position)
+        return state
 
     def room(self) -> int:
         return self.limit - len(self.tokens)
@@ -155,8 +161,9 @@ class Sequence:
             self.truncate(eos_at + 1)
         self.committed = len(self.tokens)
         self.rng_state = self.sampler.generator.get_state()
-        for states in (self.final_states, *self.own_states.values()):  # only the last commit's state is read again
-            for p in [p for p in states if p < self.committed - 1]:
+        for states in (self.final_states, *self.own_states.values()):
+            # the next draft (row committed - 1) reads position committed - 2; nothing before it is read again
+            for p in [p for p in states if p < self.committed - 2]:
                 del states[p]
         if eos_at is not None:
             self.finish_reason = "stop"

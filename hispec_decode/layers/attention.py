@@ -175,15 +175,16 @@ def attend(
 def _attend_rows(q: torch.Tensor, group: RowGroup, cache: PagedKVCache, layer: int, scale: float,
                  sliding_window: int | None) -> torch.Tensor:
     """Attention of a group of one-token rows as batched matrix products (on CPU ~9x faster than
-    one SDPA call per row, or one masked SDPA call): [1, n_heads, B, head_dim]. Scores and
-    softmax in float32."""
+    one SDPA call per row, or one masked SDPA call): [1, n_heads, B, head_dim]. The products run
+    in the model's dtype, the softmax in float32 (in bf16 a row's numbers can differ in the last
+    bits from the same row attended alone, as with any change of GEMM shape)."""
     B, n_heads, d = len(group.starts), q.shape[1], q.shape[3]
     keys, values = cache.read_blocks(layer, group.blocks)  # [n_kv, B * blocks_per_row, block_size, d]
     n_kv = keys.shape[0]
     keys = keys.reshape(n_kv, B, -1, d).transpose(0, 1)  # [B, n_kv, keys, d]
     values = values.reshape(n_kv, B, -1, d).transpose(0, 1)
-    qs = q[0, :, group.rows].transpose(0, 1).reshape(B, n_kv, n_heads // n_kv, d)  # [B, n_kv, group, d]
-    scores = torch.matmul(qs, keys.transpose(-1, -2)).float() * scale  # [B, n_kv, group, keys]
+    qs = q[0, :, group.rows].transpose(0, 1).reshape(B, n_kv, n_heads // n_kv, d) * scale  # [B, n_kv, group, d]
+    scores = torch.matmul(qs, keys.transpose(-1, -2)).float()  # [B, n_kv, group, keys], scaled first (fp16 range)
     scores = scores.masked_fill(~group.mask(sliding_window), float("-inf"))
     out = torch.matmul(scores.softmax(-1).to(values.dtype), values)  # [B, n_kv, group, d]
     return out.reshape(B, n_heads, d).transpose(0, 1)[None]

@@ -67,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
         prompts = [encode_prompt(model.tokenizer, t, chat=args.prompts not in CHAT_FREE)
                    for t in prompt_set(args.prompts, args.num_prompts, CALIBRATION_SEED)]
         layers = None
-        if args.curve is not None and model.adapter is not None:
+        if args.curve is not None:
             layers = choose_layers(read_curve(args.curve), sorted(e.layer for e in model.adapter.config.exits))
             print(f"{dtype}: exits chosen from the layer curve: {layers}")
         results[dtype] = tune(model, prompts, args.max_new_tokens, args.confirm, layers)

@@ -28,9 +28,12 @@ def self_spec_speedup(agreement: float, cost: float, max_drafts: int = 6) -> tup
 def read_curve(path: str | Path) -> dict[int, dict[str, Any]]:
     try:
         data = json.loads(Path(path).read_text())
-        return {int(layer): entry for layer, entry in data["layers"].items()}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise HiSpecError(f"{path} is not a layer curve written by hispec-curve ({exc})") from exc
+        curve = {int(layer): entry for layer, entry in data["layers"].items()}
+        for entry in curve.values():
+            float(entry["top1"]), float(entry["cost"])
+        return curve
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise HiSpecError(f"{path} is not a layer curve written by hispec-curve ({type(exc).__name__}: {exc})") from exc
 
 
 def choose_layers(curve: dict[int, dict[str, Any]], available: list[int], count: int = 4) -> list[int]:

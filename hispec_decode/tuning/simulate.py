@@ -130,7 +130,7 @@ class _Runner:
             if layer == self.num_layers:  # the full model: the trace's own next token
                 predictions.append((self.trace.tokens[p + 1] if p + 1 < len(self.trace.tokens) else -1, 1.0))
             elif p < len(self.trace.tokens):
-                true_context = layer in self.trace.top_true and p - 1 < seq.committed  # the full model ran at p - 1
+                true_context = layer in self.trace.top_true and p - 1 < seq.processed(len(seq.exits) - 1)  # the full model ran at p - 1
                 top, conf = (self.trace.top_true, self.trace.conf_true) if true_context else (self.trace.top, self.trace.conf)
                 predictions.append((top[layer][p], conf[layer][p]))
             else:  # past the end of the trace (after drafts the base never made): nothing to say
