@@ -35,7 +35,8 @@ class TrainConfig:
     heads_layers: list[int] = _key(None, "exit layers, increasing: the first is the draft exit L_d, the second the "
                                          "intermediate exit L_i, any others extra", factory=lambda: [4, 8])
     head_type: str = _key("residual_linear", "norm, residual_linear, low_rank, deep_context or decoder_block")
-    head_options: dict[str, Any] = _key(None, "options of the head type as JSON, e.g. {\"rank\": 32}", factory=dict)
+    head_options: dict[str, Any] = _key(None, "options of the head type as JSON, e.g. {\"rank\": 32} (low_rank) or "
+                                              "{\"attention_only\": true} (decoder_block: Kangaroo's adapter)", factory=dict)
     # data
     dataset: str = _key("sharegpt", "sharegpt, a hispec-selfdistill directory, a local .json/.jsonl file or a Hub data set id")
     features: str | None = _key(None, "a feature store (hispec-store): heads train from its stored states without "

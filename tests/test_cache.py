@@ -65,15 +65,19 @@ def test_pending_hidden_states_match_their_layers(hispec_models):
     assert torch.allclose(st.pending[1], fresh.pending[0], atol=1e-5)
 
 
-def test_decoder_block_head_cache_equals_its_sequence_transform(tiny_models):
+@pytest.mark.parametrize("arch,options", [("qwen3", {}), ("qwen3", {"attention_only": True}),
+                                          ("opt-post-ln", {"attention_only": True})])
+def test_decoder_block_head_cache_equals_its_sequence_transform(arch, options, tiny_models):
     """Drafting through the engine (head K/V cached, fed in pieces) gives the logits the head
-    computes over the whole sequence at once (how it is trained)."""
+    computes over the whole sequence at once (how it is trained); also for the attention-only
+    (Kangaroo) block."""
     from hispec_decode import HiSpecAdapter
     from hispec_decode.adapter import ExitSpec
 
-    tiny = tiny_models["qwen3"]
+    tiny = tiny_models[arch]
     model = tiny.load()
-    adapter = HiSpecAdapter.create(model.decoder, str(tiny.path), [ExitSpec(2, "draft", "decoder_block")])
+    adapter = HiSpecAdapter.create(model.decoder, str(tiny.path), [ExitSpec(2, "draft", "decoder_block", options)])
+    assert ("2.block.mlp.down_proj.weight" in adapter.state_dict_flat()) == (arch == "qwen3" and not options)
     head = adapter.head(2)
     with torch.no_grad():
         for p in head.block.parameters():

@@ -140,17 +140,19 @@ def test_exits_that_reject_almost_everything(arch, head_type, hispec_models, tin
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_deep_context_heads_decode_losslessly(arch, hispec_models, tiny_models, references, tmp_path):
-    """Random deep-context heads at both exits (their contexts change every draft): greedy output
-    equals transformers', alone and batched, for both speculative methods."""
+@pytest.mark.parametrize("head_type,options", [("deep_context", {}), ("decoder_block", {"attention_only": True})])
+def test_new_head_types_decode_losslessly(arch, head_type, options, hispec_models, tiny_models, references, tmp_path):
+    """Random deep-context heads (their contexts change every draft) and attention-only blocks at
+    both exits: greedy output equals transformers', batched, for both speculative methods."""
     model = hispec_models[arch]
-    specs = [ExitSpec(1, "draft", "deep_context"), ExitSpec(3, "intermediate", "deep_context")]
+    specs = [ExitSpec(1, "draft", head_type, options), ExitSpec(3, "intermediate", head_type, options)]
     adapter = HiSpecAdapter.create(model.decoder, str(tiny_models[arch].path), specs)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for spec in specs:
-            for p in (adapter.head(spec.layer).proj.weight, adapter.head(spec.layer).ctx.weight):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            for p in adapter.head(spec.layer).parameters():
+                if p.dim() == 2:
+                    p.add_(0.2 * torch.randn(p.shape, generator=g))
     adapter.save_pretrained(tmp_path / "deep")
     with_heads = tiny_models[arch].load(heads=str(tmp_path / "deep"))
     prompts = list(PROMPTS.values())

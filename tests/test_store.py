@@ -231,18 +231,21 @@ def test_exit_vocabulary_loss_is_kl_over_the_vocabulary(store, trainable_base):
     assert not torch.allclose(full, loss)  # the full-vocabulary loss is another quantity
 
 
-def test_deep_context_heads_train_from_the_store_export_and_decode_losslessly(store, trainable_base, tmp_path):
+@pytest.mark.parametrize("head_type,options", [("deep_context", "{}"), ("decoder_block", '{"attention_only": true}')])
+def test_new_head_types_train_from_the_store_export_and_decode_losslessly(head_type, options, store, trainable_base,
+                                                                          tmp_path):
     from hispec_train.export import export
 
-    run = train(_store_cfg(trainable_base, store, tmp_path / "run", head_type="deep_context", max_steps=20,
-                           eval_every=20, save_every=20))
+    run = train(_store_cfg(trainable_base, store, tmp_path / "run", head_type=head_type, head_options=options,
+                           max_steps=20, eval_every=20, save_every=20, lr=1e-3))
     report = json.loads((run / "eval.json").read_text())
     last = report["history"][-1]
     for layer in (1, 3):
         assert last[f"agreement/L{layer}"] > report["untrained"][f"agreement/L{layer}"]
-        assert f"agreement_true_context/L{layer}" in last
+        assert (f"agreement_true_context/L{layer}" in last) == (head_type == "deep_context")
     adapter = export(run, tmp_path / "heads")
-    assert adapter.head(1).head_type == "deep_context" and adapter.head(1).ctx.weight.abs().sum() > 0
+    assert adapter.head(1).head_type == head_type and adapter.head(1).options() == (
+        {"source_layer": 1, "attention_only": True} if head_type == "decoder_block" else {"context_size": 64})
     model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(tmp_path / "heads"))
     prompts = [[5, 6, 7, 8], [9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
     for prompt in prompts:

@@ -212,23 +212,33 @@ class DecoderBlockHead(ExitHead):
     """One more decoder layer (a copy of the base's layer ``source_layer``, by default the layer
     right after the exit) in front of the head's norm and the shared LM head. It attends to the
     past, so the engine keeps K/V entries for it (an extra cache layer) at every position the
-    exit's band processes. Costs one layer per drafted token; buys the most agreement."""
+    exit's band processes. Costs one layer per drafted token; buys the most agreement.
+    ``attention_only``: the layer without its MLP (Kangaroo's adapter: one attention layer and
+    its norm over the exit's features), about a third of a layer's cost and parameters."""
 
     head_type = "decoder_block"
     has_cache = True
 
-    def __init__(self, hidden_size: int, norm_keys: list[str], source_layer: int, decoder: DecoderModel | None = None) -> None:
+    def __init__(self, hidden_size: int, norm_keys: list[str], source_layer: int, decoder: DecoderModel | None = None,
+                 attention_only: bool = False) -> None:
         super().__init__(hidden_size, norm_keys)
         if decoder is None:
             raise AdapterError("a decoder_block head is built from its base model's layer: load it with the base")
         if not 0 <= source_layer < decoder.num_layers:
             raise AdapterError(f"decoder_block source_layer {source_layer} out of range 0..{decoder.num_layers - 1}")
+        if not isinstance(attention_only, bool):
+            raise AdapterError(f"decoder_block attention_only must be true or false; got {attention_only!r}")
         self.source_layer = source_layer
+        self.attention_only = attention_only
         self.block = copy.deepcopy(decoder.layers[source_layer]).float().requires_grad_(True)
+        if attention_only:  # Kangaroo's adapter: the layer's attention (and its norm), no MLP
+            for name in ("mlp", "fc1", "fc2"):
+                if hasattr(self.block, name):
+                    setattr(self.block, name, None)
         self._kernels: LayerKernels | None = None
 
     def options(self) -> dict[str, Any]:
-        return {"source_layer": self.source_layer}
+        return {"source_layer": self.source_layer} | ({"attention_only": True} if self.attention_only else {})
 
     def transform(self, h: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a decoder_block head attends to the past: use sequence_transform or extend")

@@ -42,8 +42,8 @@ class LayerKernels:
     module: nn.Module
     qkv: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
     out: Callable[[torch.Tensor], torch.Tensor]
-    mlp_in: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
-    mlp_out: Callable[[torch.Tensor], torch.Tensor]
+    mlp_in: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None  # None: an attention-only layer (a
+    mlp_out: Callable[[torch.Tensor], torch.Tensor] | None  # Kangaroo-style head's block, its MLP removed)
     sliding_window: int | None = None  # attention span of a sliding-window layer (Qwen3); None: all
 
 

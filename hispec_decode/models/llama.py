@@ -72,8 +72,11 @@ class LlamaModel(DecoderModel):
         return self.inner.embed_tokens(tokens[None])
 
     def kernels(self, module: nn.Module, packed: bool = True) -> LayerKernels:
-        a, mlp = module.self_attn, module.mlp
+        a, mlp = module.self_attn, getattr(module, "mlp", None)
         sliding_window = getattr(a, "sliding_window", None)
+        if mlp is None:  # attention only
+            qkv = self.linear(a.q_proj, a.k_proj, a.v_proj).split if packed else module_linears(a.q_proj, a.k_proj, a.v_proj)
+            return LayerKernels(module, qkv, self.linear(a.o_proj) if packed else a.o_proj, None, None, sliding_window)
         if packed:
             return LayerKernels(module, self.linear(a.q_proj, a.k_proj, a.v_proj).split, self.linear(a.o_proj),
                                 self.linear(mlp.gate_proj, mlp.up_proj).split, self.linear(mlp.down_proj), sliding_window)
@@ -94,6 +97,8 @@ class LlamaModel(DecoderModel):
         q = q * cos + _rotate_half(q) * sin
         key = key * cos + _rotate_half(key) * sin
         h = h + k.out(attn(q, key, v, a.scaling, k.sliding_window))
+        if k.mlp_in is None:
+            return h
         x = rms_norm(h, layer.post_attention_layernorm)
         gate, up = k.mlp_in(x)
         return h + k.mlp_out(layer.mlp.act_fn(gate) * up)

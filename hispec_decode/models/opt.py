@@ -36,6 +36,9 @@ class OPTModel(DecoderModel):
 
     def kernels(self, module: nn.Module, packed: bool = True) -> LayerKernels:
         a = module.self_attn
+        if getattr(module, "fc1", None) is None:  # attention only
+            qkv = self.linear(a.q_proj, a.k_proj, a.v_proj).split if packed else module_linears(a.q_proj, a.k_proj, a.v_proj)
+            return LayerKernels(module, qkv, self.linear(a.out_proj) if packed else a.out_proj, None, None)
         if packed:
             fc1 = self.linear(module.fc1)
             return LayerKernels(module, self.linear(a.q_proj, a.k_proj, a.v_proj).split, self.linear(a.out_proj),
@@ -54,6 +57,8 @@ class OPTModel(DecoderModel):
         h = h + k.out(attn(q, key, v, 1.0, None))
         if not self.pre_ln:
             h = layer.self_attn_layer_norm(h)
+        if k.mlp_in is None:
+            return h
         x = layer.final_layer_norm(h) if self.pre_ln else h
         (up,) = k.mlp_in(x)
         h = h + k.mlp_out(layer.activation_fn(up))
