@@ -42,11 +42,13 @@ def plot_agreement(report: dict[str, Any], path: Path) -> None:
     ax1.set_ylabel("top-1 agreement with the final layer")
     ax1.set_title(f"held-out agreement at step {last.get('step', 0)}")
     ax1.legend()
+    by_tokens = all("tokens_seen" in h for h in report["history"])
+    xs = [h["tokens_seen"] if by_tokens else h["step"] for h in report["history"]]
     for l in layers:
-        ax2.plot([h["step"] for h in report["history"]], [h[f"agreement/L{l}"] for h in report["history"]], marker="o", label=f"L{l}")
-    ax2.set_xlabel("step")
+        ax2.plot(xs, [h[f"agreement/L{l}"] for h in report["history"]], marker="o", label=f"L{l}")
+    ax2.set_xlabel("training tokens seen" if by_tokens else "step")
     ax2.set_ylim(0, 1)
-    ax2.set_title("agreement during training")
+    ax2.set_title("agreement against training data")
     ax2.legend()
     fig.tight_layout()
     save_figure(fig, path)

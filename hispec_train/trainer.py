@@ -238,9 +238,9 @@ def train(cfg: TrainConfig) -> Path:
                      cfg.batch_size, cfg.grad_accum, accelerator.num_processes, zero3=stage == 3)
     loss_module, optimizer = accelerator.prepare(loss_module, optimizer)
 
-    start, history = 0, []
+    start, history, tokens_before = 0, [], 0
     if state is not None:
-        start, history = state["step"], state.get("history", [])
+        start, history, tokens_before = state["step"], state.get("history", []), state.get("tokens_seen", 0)
         if stage:
             logger.warning("DeepSpeed keeps AdamW moments in its own (pickled) format, which HiSpec does not "
                            "write: the optimizer restarts from zero")
@@ -275,7 +275,8 @@ def train(cfg: TrainConfig) -> Path:
         done = step + 1 == cfg.max_steps
         if (step + 1) % cfg.eval_every == 0 or done:
             rates, curve = evaluate(cfg, decoder, data, {l: adapter.head(l) for l in cfg.heads_layers})
-            history.append({"step": step + 1, **logs, **rates, "train_tokens_per_second": speed})
+            history.append({"step": step + 1, **logs, **rates, "train_tokens_per_second": speed,
+                            "tokens_seen": tokens_before + tokens_seen * accelerator.num_processes})
             if cfg.report_to != "none":
                 accelerator.log(rates, step=step + 1)
             if main:
@@ -283,7 +284,8 @@ def train(cfg: TrainConfig) -> Path:
         if (step + 1) % cfg.save_every == 0 or done:
             with master_weights(adapter, stage):  # collective under DeepSpeed; only the main process writes
                 if main:
-                    save_checkpoint(run_dir, adapter, None if stage else optimizer, {"step": step + 1, "history": history})
+                    save_checkpoint(run_dir, adapter, None if stage else optimizer, {
+                        "step": step + 1, "history": history, "tokens_seen": tokens_before + tokens_seen * accelerator.num_processes})
         accelerator.wait_for_everyone()
     accelerator.end_training()
     return run_dir
