@@ -2,7 +2,7 @@
 
 The LM-head logits of several heads for a whole batch (``[batch, seq, vocab]`` each; Llama 3's
 vocabulary is 128k) never exist at once: each chunk of positions computes the teacher's logits
-once, every head's logits and loss, and is wrapped in activation checkpointing so that the
+once, every head's logits and loss, and (full-vocabulary loss) is wrapped in activation checkpointing so that the
 backward pass recomputes a chunk's logits instead of keeping them.
 """
 
@@ -93,7 +93,10 @@ def distillation_loss(decoder: DecoderModel, heads: list[ExitHead], hidden: list
     for s in range(0, T, cfg.chunk_size):
         sl = slice(s, s + cfg.chunk_size)
         args = (teacher_hidden[:, sl], labels[:, sl], valid[:, sl], *(h[:, sl] for h in flat))
-        part = checkpoint(_chunk_losses, decoder, flat_heads, cfg, *args, use_reentrant=False)
+        if cfg.exit_vocab:  # [B, c, |V|] logits are small enough to keep: no recomputation in the backward pass
+            part = _chunk_losses(decoder, flat_heads, cfg, *args)
+        else:
+            part = checkpoint(_chunk_losses, decoder, flat_heads, cfg, *args, use_reentrant=False)
         total = part if total is None else total + part
     per_variant = total / valid.sum().clamp(min=1)
     sizes = [len(v) for v in variants]
