@@ -118,11 +118,16 @@ class ModelRunner:
 
     def _keep_final_states(self, group: list[tuple[int, Sequence]], spans: list[tuple[int, int, int]],
                            meta, h: torch.Tensor) -> None:
-        """Remember the normed final states a deep-context head may read (from the last commit on)."""
-        normed = self.decoder.exit_norm(h)[0]  # [T, C]
-        for (_, st), (_, start, n), seg in zip(group, spans, meta.segments):
-            for p in range(max(start, st.committed - 2), start + n):
-                st.final_states[p] = normed[seg.offset + p - start].clone()
+        """Remember the normed final states a deep-context head may read (from the last commit on);
+        only those rows are normed (a prefill keeps one)."""
+        keep = [(st, p, seg.offset + p - start) for (_, st), (_, start, n), seg in zip(group, spans, meta.segments)
+                for p in range(max(start, st.committed - 2), start + n)]
+        if not keep:
+            return
+        rows = torch.tensor([r for _, _, r in keep], device=h.device)
+        normed = self.decoder.exit_norm(h[0].index_select(0, rows))  # [kept, C], its own storage
+        for (st, p, _), state in zip(keep, normed.unbind(0)):
+            st.final_states[p] = state
 
     def _context_transform(self, layer: int, seqs: list[Sequence], rows: list[torch.Tensor]) -> torch.Tensor:
         """A deep-context head's transform of each sequence's newest rows ([1, n_i, hidden] each),
