@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -114,7 +115,7 @@ class HiSpecModel:
         if engine.num_blocks is None:
             context, size = self.decoder.max_positions, engine.block_size
             blocks = sum(-(-min(len(r) + config.max_new_tokens, context) // size) for r in rows)
-            engine = EngineConfig(blocks, size, engine.schedule)
+            engine = dataclasses.replace(engine, num_blocks=blocks)
         server = self.serve(config, engine)
         t0 = time.perf_counter()
         ids = [server.add_request(r, seed=None if config.seed is None else (config.seed + i) % 2**63)

@@ -124,14 +124,17 @@ class EngineConfig:
     block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata=_help("tokens per KV cache block"))
     schedule: str = field(default=DEFAULT_SCHEDULE, metadata=_help(
         "when sequences waiting for the full model are verified: gather (wait so one pass verifies many) or eager"))
+    max_num_seqs: int | None = field(
+        default=None, metadata=_help("sequences decoded at once at most; the others wait (default: as many as the cache holds)"))
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size"):
+        for name in ("num_blocks", "block_size", "max_num_seqs"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
                 object.__setattr__(self, name, int(value))
         _check_int("num_blocks", self.num_blocks, 1, optional=True)
         _check_int("block_size", self.block_size, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1, optional=True)
         if not isinstance(self.schedule, str) or self.schedule not in SCHEDULES:
             raise HiSpecError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
 

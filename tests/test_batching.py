@@ -167,3 +167,17 @@ def test_gather_policy_does_not_starve_verification_under_steady_arrivals(hispec
                 committed += o.new_tokens
     # without the wait cap nothing would ever be verified while drafters keep arriving
     assert len(committed) >= 3 and committed == alone["llama", "hispec"][0][: len(committed)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_max_num_seqs_caps_the_running_batch(method, hispec_models, alone):
+    model = hispec_models["llama"]
+    server = model.serve(method=method, max_new_tokens=NEW, max_num_seqs=3, **_kwargs(method))
+    ids = [server.add_request(p) for p in PROMPTS[:8]]
+    most = 0
+    while server.has_unfinished():
+        server.step()
+        most = max(most, len(server.scheduler.running))
+    assert most == 3
+    assert [server.release(i).new_tokens for i in ids] == alone["llama", method][:8]
+    assert not server.sequences and server.cache.manager.num_free == server.cache.manager.num_blocks

@@ -33,7 +33,20 @@ def test_python_blocks_run(trainable_base, monkeypatch, capsys):
     blocks = _blocks("python")
     assert blocks, "the README has Python examples"
     for code in blocks:
-        exec(compile(code, "README.md", "exec"), {"__name__": "readme"})  # noqa: S102 - our own README
+        server = None
+        if "http://127.0.0.1:8000" in code:  # the hispec-serve client example: against a live tiny server
+            from test_serve import LiveServer
+
+            from hispec_decode.models.loading import DEFAULT_BASE_NAME
+            from hispec_decode.serving import ServerConfig
+
+            server = LiveServer(HiSpecModel.from_pretrained(), ServerConfig(DEFAULT_BASE_NAME), num_blocks=64)
+            code = code.replace("http://127.0.0.1:8000", server.url)
+        try:
+            exec(compile(code, "README.md", "exec"), {"__name__": "readme"})  # noqa: S102 - our own README
+        finally:
+            if server is not None:
+                server.close()
     assert capsys.readouterr().out  # the streaming example printed what it committed
 
 
@@ -59,11 +72,13 @@ def test_command_lines_parse(argv):
         bench.parse_args(args)
     elif prog == "hispec-export":
         export_parser().parse_args(args)
-    elif prog in ("hispec-selfdistill", "hispec-store", "hispec-curve", "hispec-tune"):
+    elif prog in ("hispec-selfdistill", "hispec-store", "hispec-curve", "hispec-tune", "hispec-serve",
+                  "hispec-bench-serve"):
         import importlib
 
         module = {"hispec-selfdistill": "hispec_train.selfdistill", "hispec-store": "hispec_train.store",
-                  "hispec-curve": "hispec_train.curve", "hispec-tune": "hispec_decode.tools.tune"}[prog]
+                  "hispec-curve": "hispec_train.curve", "hispec-tune": "hispec_decode.tools.tune",
+                  "hispec-serve": "hispec_decode.tools.serve", "hispec-bench-serve": "hispec_decode.tools.bench_serve"}[prog]
         importlib.import_module(module).build_parser().parse_args(args)
     elif prog == "hispec-train":
         overrides = parse_overrides(args)

@@ -51,7 +51,8 @@ class LLMEngine:
         self.strategy = STRATEGIES[config.method]
         self.exits = self.strategy.exits(policy, runner.decoder.num_layers)
         self.cache = runner.new_cache(engine_config.num_blocks or DEFAULT_SERVER_BLOCKS, engine_config.block_size)
-        self.scheduler = Scheduler(self.cache.manager, len(self.exits), engine_config.schedule)
+        self.scheduler = Scheduler(self.cache.manager, len(self.exits), engine_config.schedule,
+                                   engine_config.max_num_seqs)
         self.sequences: dict[int, Sequence] = {}  # every request added, by id
         self.steps = 0
         self.peak_slots = 0  # most KV slots held by allocated blocks at once
@@ -138,6 +139,17 @@ class LLMEngine:
         if seq.status is not Status.FINISHED:
             self.scheduler.finish(seq)
             seq.finish_reason = "abort"
+
+    def release(self, request_id: int) -> Sequence:
+        """Forget a finished (or aborted) request and return its sequence; a long-running server
+        calls this for every request so that ``sequences`` does not grow without bound."""
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            raise HiSpecError(f"no request {request_id!r}")
+        if seq.status is not Status.FINISHED:
+            raise HiSpecError(f"request {request_id} is still {seq.status.value}; abort it first")
+        seq.steps = seq.request = None
+        return self.sequences.pop(request_id)
 
     @property
     def preemptions(self) -> int:

@@ -1,7 +1,7 @@
 """The scheduling policy: who joins the batch, who is served this step, who is preempted.
 
 Admission: a waiting sequence joins the running batch when its next write fits the free blocks
-left after every running sequence's next write.
+left after every running sequence's next write, and fewer than ``max_num_seqs`` are running.
 
 Which running sequences a step serves (``schedule``):
 
@@ -30,8 +30,9 @@ MAX_GATHER_WAIT = 8  # steps a full window may wait under "gather" before everyo
 
 
 class Scheduler:
-    def __init__(self, manager: BlockManager, num_bands: int, schedule: str) -> None:
+    def __init__(self, manager: BlockManager, num_bands: int, schedule: str, max_num_seqs: int | None = None) -> None:
         self.manager = manager
+        self.max_num_seqs = max_num_seqs
         self.num_bands = num_bands
         self.schedule = schedule
         self.waiting: deque[Sequence] = deque()
@@ -47,7 +48,7 @@ class Scheduler:
     def admit(self) -> list[Sequence]:
         """Move waiting sequences into the running batch while their first write fits."""
         admitted = []
-        while self.waiting:
+        while self.waiting and (self.max_num_seqs is None or len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             need = self.manager.blocks_for(len(seq.tokens) + 1)
             reserved = sum(self.manager.extra_blocks(r.seq_id, len(r.tokens) + 1) for r in self.running)

@@ -1,0 +1,432 @@
+"""hispec-serve: the OpenAI client against real servers on 127.0.0.1 (tiny random models, one SmolLM2 test).
+
+What the server guarantees and these tests check: greedy output equals ``transformers``' ``generate``
+token for token, alone or among 32 concurrent requests; a seeded sampled request equals the same
+request decoded alone when the policy does not depend on the batch (``batch_aware=False``; each
+request samples from its own generator, so only a batch-dependent policy, which drafts differently
+and so consumes random numbers differently, changes its sample).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import uvicorn
+from openai import AsyncOpenAI, OpenAI
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from conftest import COMMON, LLAMA_LIKE, save_char_tokenizer
+from hispec_decode import HiSpecModel
+from hispec_decode.serving import ServerConfig, build_app
+
+MODEL = "tiny-chat"
+KEY = "sk-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """A uvicorn server on a free port, in a thread of this process."""
+
+    def __init__(self, model: HiSpecModel, config: ServerConfig | None = None, **engine_overrides) -> None:
+        self.model = model
+        self.config = config or ServerConfig(MODEL)
+        self.app = build_app(model, model.serve(**engine_overrides), self.config)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kwargs) -> OpenAI:
+        return OpenAI(base_url=self.url + "/v1", api_key=self.config.api_key or "none", max_retries=0, **kwargs)
+
+    def request(self, method: str, path: str, body: bytes | str | dict | None = None,
+                headers: dict | None = None) -> tuple[int, dict | str]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        data = json.dumps(body) if isinstance(body, dict) else body
+        hdrs = {"Content-Type": "application/json"}
+        if self.config.api_key:
+            hdrs["Authorization"] = f"Bearer {self.config.api_key}"
+        conn.request(method, path, data, hdrs | (headers or {}))
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        conn.close()
+        try:
+            return resp.status, json.loads(text)
+        except json.JSONDecodeError:
+            return resp.status, text
+
+    def metric(self, name: str) -> float:
+        _, text = self.request("GET", "/metrics")
+        match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        assert match, f"{name} not in /metrics"
+        return float(match.group(1))
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def save_chat_llama(path: Path, context: int = 128) -> Path:
+    """A tiny random Llama with the character tokenizer and a chat template (``context`` positions)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**(COMMON | {"max_position_embeddings": context}), **LLAMA_LIKE)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(2.0)
+    model.save_pretrained(path)
+    save_char_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_base(tmp_path_factory) -> Path:
+    return save_chat_llama(tmp_path_factory.mktemp("chat-llama"))
+
+
+@pytest.fixture(scope="module")
+def long_base(tmp_path_factory) -> Path:
+    """Room for thousands of tokens, so a request is still running when its client goes away."""
+    return save_chat_llama(tmp_path_factory.mktemp("long-llama"), context=8192)
+
+
+@pytest.fixture(scope="module")
+def chat_model(chat_base) -> HiSpecModel:
+    return HiSpecModel.from_pretrained(str(chat_base))
+
+
+@pytest.fixture(scope="module")
+def reference(chat_base):
+    return AutoModelForCausalLM.from_pretrained(str(chat_base)).eval()
+
+
+def hf_greedy(reference, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def chat_ids(model: HiSpecModel, text: str) -> list[int]:
+    return list(model.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False))
+
+
+# -- the OpenAI client: output equal to transformers ----------------------------------------------
+@pytest.mark.parametrize("method", ["autoregressive", "self_spec", "hispec"])
+def test_openai_client_greedy_equals_generate(chat_model, reference, method):
+    server = LiveServer(chat_model, method=method, num_blocks=64)
+    try:
+        client, tok = server.client(), chat_model.tokenizer
+        messages = [{"role": "user", "content": "What is 2 plus 3?"}]
+        prompt = chat_ids(chat_model, messages[0]["content"])
+        want = hf_greedy(reference, prompt, 20)
+
+        r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=20,
+                                           extra_body={"return_token_ids": True})
+        choice = r.choices[0]
+        assert choice.token_ids == want and choice.prompt_token_ids == prompt
+        assert choice.message.content == tok.decode(want, skip_special_tokens=True)
+        assert choice.finish_reason == "length" and choice.message.role == "assistant"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(prompt), 20, len(prompt) + 20)
+
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=20,
+                                                     stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+        text = "The sky is"
+        prompt = tok(text)["input_ids"]
+        want = hf_greedy(reference, prompt, 12)
+        r = client.completions.create(model=MODEL, prompt=text, temperature=0, max_tokens=12)
+        assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 12)
+        streamed = list(client.completions.create(model=MODEL, prompt=text, temperature=0, max_tokens=12, stream=True))
+        assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+        r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12,
+                                      extra_body={"return_token_ids": True})  # token ids as the prompt
+        assert r.choices[0].token_ids == want
+        assert [m.id for m in client.models.list().data] == [MODEL]
+    finally:
+        server.close()
+
+
+def test_stop_strings_and_n(chat_model, reference):
+    server = LiveServer(chat_model, num_blocks=64)
+    try:
+        client, tok = server.client(), chat_model.tokenizer
+        prompt = tok("Once upon")["input_ids"]
+        full = tok.decode(hf_greedy(reference, prompt, 30), skip_special_tokens=True)
+        stop = full[10:12]
+        cut = full[: full.index(stop)]
+        r = client.completions.create(model=MODEL, prompt="Once upon", temperature=0, max_tokens=30, stop=[stop])
+        assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+        assert r.usage.completion_tokens < 30
+        streamed = list(client.completions.create(model=MODEL, prompt="Once upon", temperature=0, max_tokens=30,
+                                                  stop=stop, stream=True))
+        assert "".join(c.choices[0].text for c in streamed) == cut
+        r = client.completions.create(model=MODEL, prompt="Once upon", temperature=1.0, max_tokens=8, n=3, seed=5,
+                                      extra_body={"return_token_ids": True})
+        assert sorted(c.index for c in r.choices) == [0, 1, 2] and r.usage.completion_tokens == 24
+        assert len({tuple(c.token_ids) for c in r.choices}) > 1  # each choice samples with its own seed
+        for i, c in enumerate(r.choices):
+            alone = client.completions.create(model=MODEL, prompt="Once upon", temperature=1.0, max_tokens=8, seed=5 + i,
+                                              extra_body={"return_token_ids": True})
+            assert alone.choices[0].token_ids == c.token_ids
+        assert server.metric("hispec_cache_blocks_used") == 0
+    finally:
+        server.close()
+
+
+# -- 32 concurrent streams ------------------------------------------------------------------------
+def test_32_concurrent_streams_are_independent(chat_model, reference):
+    server = LiveServer(chat_model, num_blocks=256, max_num_seqs=16, batch_aware=False)
+    try:
+        requests = []
+        for i in range(32):
+            kwargs = {"max_tokens": 4 + i % 13, "seed": 1000 + i}
+            if i % 2:
+                kwargs |= {"temperature": 0.6 + 0.1 * (i % 5), "top_p": 1.0 if i % 3 else 0.9}
+            else:
+                kwargs |= {"temperature": 0}
+            requests.append(({"role": "user", "content": f"Question {i}: {'why ' * (i % 7)}?"}, kwargs))
+
+        async def one(client: AsyncOpenAI, message, kwargs) -> tuple[str, list[int], str]:
+            stream = await client.chat.completions.create(model=MODEL, messages=[message], stream=True,
+                                                          extra_body={"return_token_ids": True}, **kwargs)
+            text, ids, reason = "", [], None
+            async for chunk in stream:
+                for c in chunk.choices:
+                    text += c.delta.content or ""
+                    ids += c.token_ids  # each chunk's new tokens
+                    reason = c.finish_reason or reason
+            return text, ids, reason
+
+        async def all_at_once():
+            client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+            return await asyncio.gather(*(one(client, m, k) for m, k in requests))
+
+        together = asyncio.run(all_at_once())
+        assert server.metric("hispec_num_requests_running") == 0 and server.metric("hispec_cache_blocks_used") == 0
+        client = server.client()
+        for (message, kwargs), (text, ids, reason) in zip(requests, together):
+            assert reason == "length" and len(ids) == kwargs["max_tokens"]
+            assert text == chat_model.tokenizer.decode(ids, skip_special_tokens=True)
+            alone = client.chat.completions.create(model=MODEL, messages=[message],
+                                                   extra_body={"return_token_ids": True}, **kwargs)
+            assert alone.choices[0].token_ids == ids, kwargs  # greedy and seeded sampled alike
+            if kwargs["temperature"] == 0:
+                assert ids == hf_greedy(reference, chat_ids(chat_model, message["content"]), kwargs["max_tokens"])
+    finally:
+        server.close()
+
+
+# -- a client that goes away ------------------------------------------------------------------------
+def test_disconnect_mid_stream_aborts_and_frees_blocks(long_base):
+    model = HiSpecModel.from_pretrained(str(long_base))
+    server = LiveServer(model, num_blocks=600)
+    try:
+        idle = server.metric("hispec_cache_blocks_used")
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 8000, "stream": True,
+                "hispec": {"ignore_eos": True}}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")
+        assert server.metric("hispec_cache_blocks_used") > idle
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        deadline = time.monotonic() + 10
+        while server.metric("hispec_cache_blocks_used") != idle:
+            assert time.monotonic() < deadline, "blocks were not freed after the client left"
+            time.sleep(0.05)
+        assert server.metric("hispec_aborted_requests_total") == 1
+        assert server.metric("hispec_num_requests_running") == 0
+        assert server.metric("hispec_generation_tokens_total") < 8000
+    finally:
+        server.close()
+
+
+# -- bad input: OpenAI-style errors ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def guarded(chat_model):
+    server = LiveServer(chat_model, ServerConfig(MODEL, api_key=KEY, max_queue=1, max_body_bytes=20_000),
+                        num_blocks=64, max_num_seqs=1)
+    yield server
+    server.close()
+
+
+CHAT = "/v1/chat/completions"
+TEXT = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+BAD = {
+    "unknown model": (TEXT, {"model": "gpt-4", "prompt": "hi"}, 404),
+    "empty prompt": (TEXT, {"model": MODEL, "prompt": ""}, 400),
+    "empty token prompt": (TEXT, {"model": MODEL, "prompt": []}, 400),
+    "empty messages": (CHAT, {"model": MODEL, "messages": []}, 422),
+    "prompt longer than the context": (TEXT, {"model": MODEL, "prompt": "x" * 200}, 400),
+    "max_tokens 0": (TEXT, {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 422),
+    "max_tokens not an integer": (TEXT, {"model": MODEL, "prompt": "hi", "max_tokens": 2.5}, 422),
+    "max_tokens a string": (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": "8"}, 422),
+    "temperature < 0": (CHAT, {"model": MODEL, "messages": MESSAGES, "temperature": -0.5}, 422),
+    "top_p 0": (CHAT, {"model": MODEL, "messages": MESSAGES, "top_p": 0}, 422),
+    "top_p above 1": (TEXT, {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 422),
+    "token id outside the vocabulary": (TEXT, {"model": MODEL, "prompt": [5, 100000]}, 400),
+    "unsupported logprobs": (TEXT, {"model": MODEL, "prompt": "hi", "logprobs": 3}, 400),
+    "another method": (TEXT, {"model": MODEL, "prompt": "hi", "hispec": {"method": "self_spec"}}, 400),
+    "unknown hispec option": (TEXT, {"model": MODEL, "prompt": "hi", "hispec": {"windwo": 3}}, 422),
+    "malformed JSON": (TEXT, '{"model": "tiny-chat", "prompt": ', 400),
+    "not an object": (TEXT, "[1, 2]", 400),
+    "body too large": (TEXT, {"model": MODEL, "prompt": "x" * 30_000}, 413),
+    "no such route": ("/v1/embeddings", {"model": MODEL, "input": "hi"}, 404),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_gets_an_openai_error(guarded, case):
+    path, body, status = BAD[case]
+    code, answer = guarded.request("POST", path, body)
+    assert code == status, answer
+    assert isinstance(answer, dict) and isinstance(answer["error"]["message"], str) and answer["error"]["type"]
+
+
+def test_api_key(guarded):
+    assert guarded.request("GET", "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
+    code, answer = guarded.request("POST", TEXT, {"model": MODEL, "prompt": "hi"}, headers={"Authorization": ""})
+    assert code == 401 and answer["error"]["code"] == "invalid_api_key"
+    with pytest.raises(Exception) as err:
+        OpenAI(base_url=guarded.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert getattr(err.value, "status_code", None) == 401
+    assert guarded.request("GET", "/health", headers={"Authorization": ""})[0] == 200  # not behind the key
+    assert guarded.request("GET", "/v1/models")[0] == 200
+    assert guarded.client().completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_full_queue_gets_503(guarded):
+    """One running (max_num_seqs=1), one waiting (max_queue=1): the next request is refused, not queued."""
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 90, "stream": True, "hispec": {"ignore_eos": True}}
+    conn = http.client.HTTPConnection("127.0.0.1", guarded.port, timeout=60)
+    conn.request("POST", TEXT, json.dumps(body), {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    running = conn.getresponse()
+    assert running.readline().startswith(b"data: ")
+    waiting = threading.Thread(target=guarded.request, args=("POST", TEXT, {"model": MODEL, "prompt": "b", "max_tokens": 2}))
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while guarded.metric("hispec_num_requests_waiting") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    code, answer = guarded.request("POST", TEXT, {"model": MODEL, "prompt": "c", "max_tokens": 2})
+    assert code == 503 and answer["error"]["code"] == "queue_full"
+    running.read()
+    conn.close()
+    waiting.join(30)
+    assert guarded.request("POST", TEXT, {"model": MODEL, "prompt": "d", "max_tokens": 2})[0] == 200
+
+
+# -- SIGTERM --------------------------------------------------------------------------------------
+def test_sigterm_under_load_exits_cleanly(long_base):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "hispec_decode.tools.serve", "--base", str(long_base), "--heads",
+                             "none", "--port", str(port), "--served-model-name", MODEL, "--shutdown-timeout", "2",
+                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read().decode()
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(0.2)
+        results: list[str] = []
+
+        def stream(i: int) -> None:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            body = {"model": MODEL, "prompt": f"story {i}", "max_tokens": 6000, "stream": True, "hispec": {"ignore_eos": True}}
+            c.request("POST", TEXT, json.dumps(body), {"Content-Type": "application/json"})
+            try:
+                results.append(c.getresponse().read().decode())
+            except (http.client.HTTPException, OSError) as exc:  # the stream may be cut at the deadline
+                results.append(f"cut: {exc!r}")
+
+        clients = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in clients:
+            t.start()
+        time.sleep(1.5)  # the requests are running
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 2 + 10
+        for t in clients:
+            t.join(10)
+            assert not t.is_alive()
+        assert len(results) == 4
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# -- SmolLM2 --------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_chat_over_http_equals_generate():
+    from hispec_decode.data.prompts import CHAT_PROMPTS, encode_prompt
+
+    model = HiSpecModel.from_pretrained()
+    server = LiveServer(model, ServerConfig(model.base_name), num_blocks=64)
+    try:
+        client = server.client()
+        for text in CHAT_PROMPTS[:2]:
+            want = model.generate([encode_prompt(model.tokenizer, text)], max_new_tokens=32).sequences[0]
+            r = client.chat.completions.create(model=model.base_name, messages=[{"role": "user", "content": text}],
+                                               temperature=0, max_tokens=32, extra_body={"return_token_ids": True})
+            assert r.choices[0].token_ids == want
+            assert r.choices[0].message.content == model.tokenizer.decode(want, skip_special_tokens=True)
+    finally:
+        server.close()
+
+
+# -- the load generator runs ------------------------------------------------------------------------
+def test_bench_serve_runs(long_base, tmp_path):
+    from hispec_decode.tools.bench_serve import main
+
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    assert main(["--launch", "autoregressive,hispec", "--base", str(long_base), "--heads", "none", "--concurrency",
+                 "1,2", "--requests", "3", "--max-tokens", "6", "--prompts", "builtin", "--num-prompts", "2",
+                 "--compare-generate", "--json", str(out), "--plot", str(png)]) == 0
+    results = json.loads(out.read_text())
+    for method in ("autoregressive", "hispec"):
+        levels = results["servers"][method]["levels"]
+        assert [lv["concurrency"] for lv in levels] == [1, 2]
+        assert all(lv["requests"] == 3 and lv["failed"] == 0 and lv["output_tokens_per_second"] > 0 for lv in levels)
+        overhead = results["servers"][method]["overhead"]
+        assert overhead["equal_outputs"] == 2 and overhead["http_over_generate"] > 0
+    assert png.stat().st_size > 10_000
