@@ -50,6 +50,7 @@ class HiSpecModel:
         dtype: str | torch.dtype = "float32",
         revision: str | None = None,
         pack_weights: bool = True,
+        batch_invariant: bool = False,
     ) -> HiSpecModel:
         """Load a base (``None``: the embedded SmolLM2-135M-Instruct) and optional heads
         (a local adapter directory or a Hub repo id; ``revision`` applies to the heads).
@@ -57,13 +58,20 @@ class HiSpecModel:
         used; ``heads="none"`` forces the untrained exits (the base's norm + LM head).
 
         ``pack_weights``: on CPU, keep oneDNN-packed copies of the linear weights (about 2x
-        faster decoding for a second copy of those weights in memory)."""
+        faster decoding for a second copy of those weights in memory).
+
+        ``batch_invariant``: every row's numbers are independent of the other rows of its pass and
+        of their count (linears on fixed row chunks, attention row by row), so in bf16/fp16 too
+        ``self_spec`` and ``hispec`` give the engine's own ``autoregressive`` output token for token,
+        and batched rows equal the same prompts decoded alone (docs/batch-invariance.md)."""
         if heads is None and base is None and DEFAULT_HEADS_DIR.is_dir():
             heads = DEFAULT_HEADS_DIR
         if heads is not None and str(heads).lower() == NO_HEADS:
             heads = None
         loaded = load_base(base, dtype)
         decoder = decoder_for(loaded.model, pack_weights)
+        if batch_invariant:
+            decoder.set_batch_invariant()
         adapter = HiSpecAdapter.from_pretrained(heads, revision=revision, decoder=decoder) if heads is not None else None
         if adapter is not None:
             cfg = adapter.config

@@ -59,6 +59,9 @@ class GenerationConfig:
         "raise the thresholds with the batch size by the adapter's measured pass costs (off: the same policy at any size)"))
     use_exit_vocab: bool = field(
         default=True, metadata=_help("early exits predict over the heads' reduced vocabularies, where they have one"))
+    drafter_invariant: bool = field(default=False, metadata=_help(
+        "sampling: Gumbel-max keyed to (seed, position), so a seeded sample is the same text for every method, "
+        "policy and batch (accepts fewer drafts than rejection sampling)"))
 
     def __post_init__(self) -> None:
         for name in INT_FIELDS:  # numpy integers are integers; booleans are not
@@ -92,13 +95,13 @@ class GenerationConfig:
             value = getattr(self, name)
             if value is not None and (not _real(value) or not 0 <= value < math.inf):
                 raise HiSpecError(f"{name} must be a finite number >= 0 (0: no gate, above 1: never) or None; got {value!r}")
-        for name in ("do_sample", "use_exit_vocab", "batch_aware"):
+        for name in ("do_sample", "use_exit_vocab", "batch_aware", "drafter_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise HiSpecError(f"{name} must be True or False; got {getattr(self, name)!r}")
         self.sampling_params()  # checks temperature, top_k, top_p
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(self.do_sample, self.temperature, self.top_k, self.top_p)
+        return SamplingParams(self.do_sample, self.temperature, self.top_k, self.top_p, self.drafter_invariant)
 
     def update(self, **overrides: Any) -> GenerationConfig:
         """A copy with ``overrides`` applied (unknown names fail, naming the known ones)."""

@@ -173,3 +173,47 @@ def test_reduced_exit_vocabulary_keeps_the_distribution(small_vocab_model, metho
     assert sum(p for (a, _), p in expected.items() if a not in (1, 4, 6)) > 0.2  # the restriction matters
     stat, df = _chi_square(counts, expected, draws)
     assert stat < _chi_square_critical(df), (stat, df)
+
+
+# -- drafter-invariant sampling (Gumbel-max keyed to seed and position) -----------------------------
+@pytest.mark.parametrize("params", [SamplingParams(True, drafter_invariant=True),
+                                    SamplingParams(True, temperature=0.7, top_k=5, top_p=0.9, drafter_invariant=True)])
+@pytest.mark.parametrize("method", ["hispec", "self_spec", "autoregressive"])
+def test_drafter_invariant_samples_follow_base_distribution(small_vocab_model, params, method):
+    """Row i samples with seed + i, so 3000 rows are 3000 independent Gumbel streams (same tolerance
+    as the default sampling's test above: chi-square at p = 0.001)."""
+    path, reference = small_vocab_model
+    model = HiSpecModel.from_pretrained(str(path))
+    draws = 3000
+    out = model.generate([SAMPLE_PROMPT] * draws, max_new_tokens=2, method=method, do_sample=True,
+                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=4321,
+                         drafter_invariant=True, draft_layer=1, verify_layer=2, window=2, num_draft=2)
+    if method != "autoregressive":
+        assert out.stats["acceptance_final"] < 0.95
+    counts: dict[tuple[int, int], int] = {}
+    for seq in out.sequences:
+        counts[tuple(seq[:2])] = counts.get(tuple(seq[:2]), 0) + 1
+    stat, df = _chi_square(counts, _exact_two_token_distribution(reference, params), draws)
+    assert stat < _chi_square_critical(df), (stat, df)
+
+
+def test_drafter_invariant_samples_are_the_same_text_for_every_method_policy_and_batch(hispec_models):
+    """fp32: a seeded sample does not depend on how it was decoded (default sampling does)."""
+    from test_batching import PROMPTS
+
+    model = hispec_models["llama"]
+    kwargs = dict(max_new_tokens=16, do_sample=True, temperature=0.9, top_p=0.95, seed=11, drafter_invariant=True)
+    alone = [model.generate([p], method="autoregressive", **(kwargs | {"seed": 11 + i})).sequences[0]
+             for i, p in enumerate(PROMPTS[:5])]
+    policies = [("autoregressive", {}), ("self_spec", dict(draft_layer=1, num_draft=3)),
+                ("self_spec", dict(draft_layer=3, num_draft=1, draft_threshold=0.3)),
+                ("hispec", dict(draft_layer=1, verify_layer=3, window=4, num_draft=2)),
+                ("hispec", dict(draft_layer=2, verify_layer=4, window=8, num_draft=1, verify_threshold=0.2))]
+    for method, policy in policies:
+        for b in (1, 2, 5):
+            assert model.generate(PROMPTS[:b], method=method, **policy, **kwargs).sequences == alone[:b], (method, policy, b)
+    preempted = model.generate(PROMPTS[:5], method="hispec", **kwargs, num_blocks=6)
+    assert preempted.sequences == alone and preempted.stats["preemptions"] > 0
+    default = [model.generate(PROMPTS[:5], method=m, **p, **(kwargs | {"drafter_invariant": False})).sequences
+               for m, p in policies]
+    assert any(d != default[0] for d in default[1:])  # the teeth: rejection sampling's text depends on the method

@@ -430,3 +430,19 @@ def test_bench_serve_runs(long_base, tmp_path):
         overhead = results["servers"][method]["overhead"]
         assert overhead["equal_outputs"] == 2 and overhead["http_over_generate"] > 0
     assert png.stat().st_size > 10_000
+
+
+def test_drafter_invariant_extension_gives_the_same_text_on_every_server(chat_model):
+    """A seeded, drafter-invariant sample is the same text from an autoregressive and a hispec server
+    (fp32), while each server's default rejection sampling is free to differ."""
+    texts = {}
+    for method in ("autoregressive", "hispec"):
+        server = LiveServer(chat_model, method=method, num_blocks=64)
+        try:
+            r = server.client().completions.create(model=MODEL, prompt="Once upon", max_tokens=16, temperature=0.9,
+                                                   seed=3, n=2, extra_body={"hispec": {"drafter_invariant": True},
+                                                                             "return_token_ids": True})
+            texts[method] = [c.token_ids for c in r.choices]
+        finally:
+            server.close()
+    assert texts["autoregressive"] == texts["hispec"] and texts["hispec"][0] != texts["hispec"][1]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +27,12 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    drafter_invariant: bool = False  # Gumbel-max sampling keyed to (seed, position): see TokenSampler
 
     def __post_init__(self) -> None:
-        if not isinstance(self.do_sample, bool):
-            raise HiSpecError(f"do_sample must be True or False; got {self.do_sample!r}")
+        for name in ("do_sample", "drafter_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise HiSpecError(f"{name} must be True or False; got {getattr(self, name)!r}")
         if not _real(self.temperature) or not 0 <= self.temperature < math.inf:
             raise HiSpecError(f"temperature must be a finite number >= 0; got {self.temperature!r}")
         if self.do_sample and not self.temperature > 0:
@@ -91,7 +94,19 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 class TokenSampler:
-    """Chooses tokens and verifies proposals under one :class:`SamplingParams`."""
+    """Chooses tokens and verifies proposals under one :class:`SamplingParams`.
+
+    Every method takes ``position``, the sequence position of the (first) token it chooses. The
+    default sampling ignores it: proposals are verified by speculative rejection sampling, drawing
+    from one generator. In the drafter-invariant mode (``drafter_invariant=True``, sampling only)
+    the token at position ``t`` is ``argmax(log p_warped + G_t)``, where ``G_t`` is Gumbel noise
+    over the vocabulary keyed to (seed, ``t``) alone, and a proposal is accepted exactly when it
+    equals that argmax at the verifying level (Gumbel-max coupling, Daliri et al. 2024). Each token
+    is an exact sample of the base model (``G_t`` is independent of everything before ``t``), and
+    the text depends on the seed only: not on the method, the policy, the drafts or the batch.
+    """
+
+    NOISE_CACHE = 64  # positions whose noise is kept (a window's worth and more)
 
     def __init__(self, params: SamplingParams, seed: int | None = None) -> None:
         self.params = params
@@ -100,6 +115,9 @@ class TokenSampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self.gumbel = params.do_sample and params.drafter_invariant
+        self.seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self._noise: dict[int, torch.Tensor] = {}
 
     @property
     def greedy(self) -> bool:
@@ -111,19 +129,39 @@ class TokenSampler:
     def _draw(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
-    def choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def noise(self, position: int | None, vocab: int) -> torch.Tensor:
+        """Gumbel noise [vocab] (float64) of ``position``, the same on every call for this seed."""
+        if position is None:
+            raise HiSpecError("drafter-invariant sampling needs the position of each token it chooses")
+        g = self._noise.get(position)
+        if g is None or g.shape[0] != vocab:
+            gen = torch.Generator().manual_seed(_mix(self.seed, position))
+            u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_min(1e-300)
+            g = -torch.log(-torch.log(u))
+            if len(self._noise) >= self.NOISE_CACHE:
+                del self._noise[min(self._noise)]
+            self._noise[position] = g
+        return g
+
+    def _gumbel_argmax(self, probs: torch.Tensor, position: int | None) -> int:
+        return int((probs.double().log() + self.noise(position, probs.shape[-1])).argmax())
+
+    def choose(self, logits: torch.Tensor, position: int | None = None) -> tuple[int, torch.Tensor | None]:
         """One token from logits [1, vocab]; also its distribution when sampling (a proposal's ``q``)."""
         if self.greedy:
             return int(logits[-1].argmax()), None
         probs = self.probs(logits[-1:])[0]
+        if self.gumbel:
+            return self._gumbel_argmax(probs, position), probs
         return self._draw(probs), probs
 
-    def propose(self, logits: torch.Tensor, threshold: float) -> tuple[int, torch.Tensor | None] | None:
+    def propose(self, logits: torch.Tensor, threshold: float, position: int | None = None
+                ) -> tuple[int, torch.Tensor | None] | None:
         """Like :meth:`choose`, but only if the distribution's top probability is at least
         ``threshold`` (else None, and no random number is used). The decision depends on the
         proposal's distribution only, never on the drawn token, so verification stays exact."""
         if threshold <= 0:
-            return self.choose(logits)
+            return self.choose(logits, position)
         if self.greedy:
             row = logits[-1]
             if float(row.float().softmax(-1).max()) < threshold:
@@ -132,6 +170,8 @@ class TokenSampler:
         probs = self.probs(logits[-1:])[0]
         if float(probs.max()) < threshold:
             return None
+        if self.gumbel:
+            return self._gumbel_argmax(probs, position), probs
         return self._draw(probs), probs
 
     def confidence(self, logits: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,8 +182,10 @@ class TokenSampler:
             probs = self.probs(logits) if not self.greedy else logits.float().softmax(-1)
         return probs.max(-1).values
 
-    def verify(self, candidates: list[int], proposal: torch.Tensor | None, target_logits: torch.Tensor) -> Verdict:
-        """Check ``n`` candidates against target logits [n+1, vocab] (row j predicts candidate j).
+    def verify(self, candidates: list[int], proposal: torch.Tensor | None, target_logits: torch.Tensor,
+               position: int | None = None) -> Verdict:
+        """Check ``n`` candidates (the first at ``position``) against target logits [n+1, vocab]
+        (row j predicts candidate j).
 
         ``proposal`` [n, vocab] is the distribution each candidate was drawn from (sampling).
         """
@@ -155,6 +197,13 @@ class TokenSampler:
                 j += 1
             return Verdict(j, best[j], None)
         p = self.probs(target_logits)
+        if self.gumbel:  # the target's own Gumbel choice at each position, up to the first disagreement
+            j = 0
+            while True:
+                token = self._gumbel_argmax(p[j], None if position is None else position + j)
+                if j == n or candidates[j] != token:
+                    return Verdict(j, token, p)
+                j += 1
         j = n
         if n:
             idx = torch.tensor(candidates)
@@ -166,3 +215,13 @@ class TokenSampler:
                 j = int(rejected[0])
         token = self._draw(residual(p[j], proposal[j]) if j < n else p[j])
         return Verdict(j, token, p)
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (seed, position): splitmix64 of both, so nearby seeds (the rows
+    of a batch use seed + i) and nearby positions give unrelated streams."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1

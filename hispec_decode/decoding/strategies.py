@@ -33,7 +33,7 @@ def draft(seq: Sequence, count: int, threshold: float) -> Steps:
     while len(drafts) < count and seq.room() > 0:
         logits = yield BandRequest(seq, 0, 1)
         seq.counters.calls_draft += 1
-        proposal = seq.sampler.propose(logits, threshold)
+        proposal = seq.sampler.propose(logits, threshold, len(seq.tokens))
         if proposal is None:
             break
         token, q = proposal
@@ -60,7 +60,7 @@ def step_autoregressive(seq: Sequence, top_band: int) -> Steps:
     """One plain decoding step through every band (no exit but the last is evaluated)."""
     logits = yield BandRequest(seq, top_band, 1)
     seq.counters.calls_full += 1
-    token, _ = seq.sampler.choose(logits)
+    token, _ = seq.sampler.choose(logits, len(seq.tokens))
     seq.commit(len(seq.tokens), Verdict(0, token, None))
 
 
@@ -105,7 +105,7 @@ class SelfSpec(Strategy):
             drafts, q = yield from draft(seq, seq.policy.num_draft, draft_threshold)
             logits = yield BandRequest(seq, 1, len(drafts) + 1)
             seq.counters.calls_full += 1
-            verdict = seq.sampler.verify(drafts, q, logits)
+            verdict = seq.sampler.verify(drafts, q, logits, start)
             seq.counters.tentative += len(drafts)
             seq.counters.accepted_final += verdict.accepted
             seq.commit(start, verdict)
@@ -143,7 +143,7 @@ class HiSpec(Strategy):
                 drafts, q = yield from draft(seq, policy.num_draft, draft_threshold)
                 logits = yield BandRequest(seq, 1, len(drafts) + 1)
                 seq.counters.calls_intermediate += 1
-                verdict = seq.sampler.verify(drafts, q, logits)
+                verdict = seq.sampler.verify(drafts, q, logits, first)
                 seq.counters.drafted += len(drafts)
                 seq.counters.accepted_intermediate += verdict.accepted
                 gated = verify_threshold > 0  # no gate: no confidence to compute
@@ -171,7 +171,7 @@ class HiSpec(Strategy):
             logits = yield BandRequest(seq, 2, len(tentative) + 1)
             seq.counters.calls_full += 1
             p_i = torch.cat(proposals) if proposals else None
-            verdict = seq.sampler.verify(tentative, p_i, logits)
+            verdict = seq.sampler.verify(tentative, p_i, logits, start)
             seq.counters.tentative += len(tentative)
             seq.counters.accepted_final += verdict.accepted
             seq.commit(start, verdict)

@@ -58,8 +58,9 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V ``[1, n_kv, T, d]`` at ``slots`` (T of them)."""
-        self.keys[layer][:, slots] = k[0]
-        self.values[layer][:, slots] = v[0]
+        pool = self.keys[layer]
+        self.keys[layer][:, slots] = k[0].to(pool.dtype)  # a float32 pool (batch-invariant mode) keeps bf16 exactly
+        self.values[layer][:, slots] = v[0].to(pool.dtype)
 
     def read(self, layer: int, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V at ``slots`` as ``[1, n_kv, S, d]`` each."""

@@ -143,8 +143,8 @@ class ModelRunner:
             zero = h.new_zeros(size)
             ctx = torch.stack([c if (c := seqs[k].context_at(layer, p - 1)) is not None else zero
                                for k, p in zip(members, positions)])[None]  # [1, m, C]
-            x = head.transform(h, ctx)
-            own = head.context_of(x, self.decoder)[0]  # [m, C]
+            x = self.decoder.rowwise(head.transform, h, ctx)
+            own = self.decoder.rowwise(lambda y: head.context_of(y, self.decoder), x)[0]  # [m, C]
             for r, (k, p) in enumerate(zip(members, positions)):
                 seqs[k].own_states.setdefault(layer, {})[p] = own[r].clone()
                 outs[k].append(x[:, r : r + 1])
@@ -179,5 +179,5 @@ class ModelRunner:
         head = self.heads.get(layer)
         if layer == self.decoder.num_layers or head is None:
             return self.decoder.final_logits(h)[0]
-        h = h if layer in self.head_cache_layer else head.transform(h)  # a deep-context head: without its context
+        h = h if layer in self.head_cache_layer else self.decoder.rowwise(head.transform, h)  # deep context: none
         return head.project(h, self.decoder, restrict=self.use_exit_vocab)[0]

@@ -188,3 +188,35 @@ def _attend_rows(q: torch.Tensor, group: RowGroup, cache: PagedKVCache, layer: i
     scores = scores.masked_fill(~group.mask(sliding_window), float("-inf"))
     out = torch.matmul(scores.softmax(-1).to(values.dtype), values)  # [B, n_kv, group, d]
     return out.reshape(B, n_heads, d).transpose(0, 1)[None]
+
+
+def attend_invariant(
+    q: torch.Tensor,  # [1, n_heads, T, head_dim]
+    k: torch.Tensor,  # [1, n_kv_heads, T, head_dim]  (the new tokens only)
+    v: torch.Tensor,
+    meta: AttentionMeta,
+    cache: PagedKVCache,
+    layer: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """:func:`attend` for the batch-invariant mode: each query row on its own, over exactly the
+    keys it sees, in float32 (the batch-invariant cache holds float32 K/V, exact copies of the
+    model dtype's). Every call for a token at position ``t`` then has the same shapes and inputs
+    (its ``q``, the K/V of positions ``<= t``) whether the token is decoded alone, in a
+    verification pass beside other tentative tokens, in a prefill, or beside other sequences, so it
+    computes the same bits: no padding, grouping or kernel choice depends on the rest of the pass."""
+    cache.write(layer, meta.write, k, v)
+    n_heads, d = q.shape[1], q.shape[3]
+    out = torch.empty_like(q)
+    for seg in meta.segments:
+        keys, values = cache.read(layer, seg.read)  # [1, n_kv, start + num_new, d]
+        n_kv = keys.shape[1]
+        qf = q[0, :, seg.offset : seg.offset + seg.num_new].float()  # [n_heads, num_new, d]
+        for j in range(seg.num_new):
+            t = seg.start + j
+            lo = 0 if sliding_window is None else max(0, t + 1 - sliding_window)
+            qs = (qf[:, j].reshape(n_kv, n_heads // n_kv, d) * scale).contiguous()  # [n_kv, group, d]
+            probs = torch.matmul(qs, keys[0, :, lo : t + 1].transpose(1, 2)).softmax(-1)  # [n_kv, group, keys]
+            out[0, :, seg.offset + j] = torch.matmul(probs, values[0, :, lo : t + 1]).reshape(n_heads, d)
+    return out.transpose(1, 2).flatten(2)

@@ -11,6 +11,8 @@ slices of one concatenated tensor, so nothing is stored twice.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,10 +27,31 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-class FusedLinear:
-    """``y = x @ cat(W_i).T + cat(b_i)`` for linears that read the same input."""
+def in_row_chunks(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, rows: int) -> torch.Tensor:
+    """``fn`` applied to fixed-size chunks of ``rows`` rows (the last zero-padded), for the
+    batch-invariant mode: a GEMM's result for one row can depend on how many rows share the call
+    (its kernel and reduction order are chosen by shape), never on which rows or where a row sits
+    in a call of a fixed shape (tested: ``tests/test_invariant.py``). ``xs`` share their leading
+    dimensions ``[..., n, features_i]``; ``fn`` maps rows to rows."""
+    lead = xs[0].shape[:-1]
+    flat = [x.reshape(-1, x.shape[-1]) for x in xs]
+    n = flat[0].shape[0]
+    if n <= rows:  # the usual decoding step: one call, padded
+        out = fn(*(F.pad(f, (0, 0, 0, rows - n)) if n < rows else f for f in flat))[:n]
+    else:
+        pad = (-n) % rows
+        if pad:
+            flat = [F.pad(f, (0, 0, 0, pad)) for f in flat]
+        out = torch.cat([fn(*(f[i : i + rows] for f in flat)) for i in range(0, n + pad, rows)])[:n]
+    return out.reshape(*lead, out.shape[-1])
 
-    def __init__(self, linears: list[nn.Linear], pack: bool = True) -> None:
+
+class FusedLinear:
+    """``y = x @ cat(W_i).T + cat(b_i)`` for linears that read the same input; with ``rows`` set
+    (the batch-invariant mode), every call runs on chunks of exactly that many rows."""
+
+    def __init__(self, linears: list[nn.Linear], pack: bool = True, rows: int | None = None) -> None:
+        self.rows = rows
         self.sizes = [lin.out_features for lin in linears]
         weights = [lin.weight.detach() for lin in linears]
         has_bias = any(lin.bias is not None for lin in linears)
@@ -51,6 +74,11 @@ class FusedLinear:
                 offset += n
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:
+            return in_row_chunks(self._apply, x, rows=self.rows)
+        return self._apply(x)
+
+    def _apply(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

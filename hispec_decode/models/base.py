@@ -26,9 +26,11 @@ from torch import nn
 
 from ..engine.kv_cache import PagedKVCache
 from ..errors import HiSpecError
-from ..layers.attention import AttentionMeta, attend, build_meta
-from ..layers.linear import FusedLinear
+from ..layers.attention import AttentionMeta, attend, attend_invariant, build_meta
+from ..layers.linear import FusedLinear, in_row_chunks
 
+
+INVARIANT_ROWS = 8  # rows per GEMM call in the batch-invariant mode (docs/batch-invariance.md)
 
 # (q, k, v, scale, sliding_window) -> attention output [B, T, heads * head_dim]; q/k/v are [B, heads, T, d]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"], torch.Tensor]
@@ -68,6 +70,26 @@ class DecoderModel(ABC):
         self.lm_head_kernel = FusedLinear([self.lm_head], pack_weights)
         self.kept_norm: dict[str, torch.Tensor] | None = None  # see keep_exit
         self._vocab_kernels: dict = {}  # see vocab_logits: id(tensor) -> (tensor, kernel), content -> kernel
+        self.row_bucket: int | None = None  # the batch-invariant mode's fixed GEMM row count (set_batch_invariant)
+
+    def set_batch_invariant(self, rows: int | None = INVARIANT_ROWS) -> None:
+        """Make every row's numbers independent of the other rows of its pass and of their count:
+        linears (and heads) run on chunks of exactly ``rows`` rows, attention one query row at a
+        time over exactly its own keys (:func:`~hispec_decode.layers.attention.attend_invariant`);
+        norms and elementwise ops are row-wise already. ``None`` switches it off."""
+        self.row_bucket = rows
+        self.lm_head_kernel = FusedLinear([self.lm_head], self.pack and self.kept_norm is None, rows)
+        self._vocab_kernels = {}
+        self.__dict__.pop("layer_kernels", None)  # rebuilt with the new row bucket on first use
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.row_bucket is not None
+
+    def rowwise(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+        """``fn(*xs)`` for a row-wise ``fn`` with linears inside (an exit head, a projection): in row
+        chunks of the bucket's size in the batch-invariant mode."""
+        return fn(*xs) if self.row_bucket is None else in_row_chunks(fn, *xs, rows=self.row_bucket)
 
     @cached_property
     def layer_kernels(self) -> list[LayerKernels]:
@@ -83,7 +105,7 @@ class DecoderModel(ABC):
         return frozenset([eos] if isinstance(eos, int) else eos)
 
     def linear(self, *linears: nn.Linear) -> FusedLinear:
-        return FusedLinear(list(linears), self.pack)
+        return FusedLinear(list(linears), self.pack, self.row_bucket)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -138,8 +160,10 @@ class DecoderModel(ABC):
     def cached_block(self, k: LayerKernels, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache,
                      cache_layer: int) -> torch.Tensor:
         """A layer over the packed new tokens [1, T, hidden], its K/V in ``cache_layer``'s pool."""
+        kernel = attend_invariant if self.row_bucket is not None else attend
+
         def attn(q, key, v, scale, sliding_window):
-            return attend(q, key, v, meta, cache, cache_layer, scale, sliding_window)
+            return kernel(q, key, v, meta, cache, cache_layer, scale, sliding_window)
 
         return self.block(k, h, meta.rope, attn)
 
@@ -195,7 +219,7 @@ class DecoderModel(ABC):
             sub.weight.copy_(full.weight[vocab])
             if full.bias is not None:
                 sub.bias.copy_(full.bias[vocab])
-        return FusedLinear([sub.requires_grad_(False)], self.pack)
+        return FusedLinear([sub.requires_grad_(False)], self.pack, self.row_bucket)
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_logits(self.exit_norm(h))
@@ -204,7 +228,9 @@ class DecoderModel(ABC):
         """A paged cache for every layer plus ``extra_layers`` (exit heads with attention)."""
         if self.num_kv_heads < 1 or self.head_dim < 1:
             raise NotImplementedError(f"{type(self).__name__} must set num_kv_heads and head_dim")
-        element = torch.empty(0, dtype=self.dtype).element_size()
+        # the batch-invariant attention reads float32 K/V: stored so (exactly), not converted per step
+        dtype = torch.float32 if self.row_bucket is not None and self.dtype.is_floating_point else self.dtype
+        element = torch.empty(0, dtype=dtype).element_size()
         need = 2 * (self.num_layers + extra_layers) * self.num_kv_heads * self.head_dim * element * num_blocks * block_size
         have = device_memory(self.device)
         if need > have:
@@ -212,7 +238,7 @@ class DecoderModel(ABC):
                               f"{need / 2**30:.1f} GiB; this {self.device.type} device has {have / 2**30:.1f} GiB")
         try:
             return PagedKVCache(self.num_layers + extra_layers, self.num_kv_heads, self.head_dim, num_blocks,
-                                block_size, self.dtype, self.device)
+                                block_size, dtype, self.device)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             raise HiSpecError(f"could not allocate a KV cache of num_blocks={num_blocks} blocks of block_size="
                               f"{block_size} tokens ({need / 2**30:.1f} GiB): {exc}") from exc

@@ -27,7 +27,7 @@ class OPTModel(DecoderModel):
     def embed(self, tokens: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         x = self.inner.embed_tokens(tokens[None])
         if self.inner.project_in is not None:
-            x = self.inner.project_in(x)
+            x = self.rowwise(self.inner.project_in, x)
         pos = self.inner.embed_positions
         return x + pos.weight[meta.positions + pos.offset][None]
 
@@ -76,7 +76,7 @@ class OPTModel(DecoderModel):
             p = self.norm_params() if params is None else params
             h = F.layer_norm(h, norm.normalized_shape, p.get("weight"), p.get("bias"), norm.eps)
         if self.project_out is not None:
-            h = self.project_out(h.to(self.project_out.weight.dtype))
+            h = self.rowwise(self.project_out, h.to(self.project_out.weight.dtype))
         return h
 
     def keep_exit(self, device: torch.device) -> None:

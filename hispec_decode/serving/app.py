@@ -135,7 +135,7 @@ def build_app(model: HiSpecModel, engine: LLMEngine, config: ServerConfig, engin
             "max_new_tokens": max_tokens or context - max(len(p) for p in prompts),
             "do_sample": (req.temperature if req.temperature is not None else 1.0) > 0,
             "temperature": req.temperature or 1.0, "top_p": req.top_p if req.top_p is not None else 1.0,
-            "top_k": req.hispec.top_k, "seed": req.seed,
+            "top_k": req.hispec.top_k, "seed": req.seed, "drafter_invariant": req.hispec.drafter_invariant,
         }
         if req.hispec.ignore_eos:
             overrides["eos_token_id"] = ()

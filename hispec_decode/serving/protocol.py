@@ -42,6 +42,8 @@ class HiSpecOptions(BaseModel):
     top_k: StrictInt = Field(0, ge=0, description="sample among the k most likely tokens (0: all)")
     ignore_eos: bool = Field(False, description="keep generating after the end-of-sequence token")
     return_stats: bool = Field(False, description="add per-choice speculation statistics (acceptance, passes)")
+    drafter_invariant: bool = Field(False, description="Gumbel-max sampling keyed to (seed, position): a seeded "
+                                    "sample is the same text for any method, policy and batch")
     # fixed per server: accepted when they equal the server's, refused otherwise
     method: str | None = None
 

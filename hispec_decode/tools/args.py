@@ -24,6 +24,29 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default=None, help="Hub id, local directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--heads", default=None, help="adapter directory or Hub repo id with trained exit heads")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="each row's numbers independent of the rest of its pass: in bf16/fp16 speculation then equals "
+                        "this engine's autoregressive output token for token (docs/batch-invariance.md)")
+
+
+class ModelVariants:
+    """The model a benchmark method spec runs on, loaded once each: ``METHOD:invariant`` on a
+    batch-invariant copy, every other spec on the plain one (``load(batch_invariant)``)."""
+
+    def __init__(self, load: typing.Callable[[bool], Any], batch_invariant: bool = False) -> None:
+        self.load, self.always, self.models = load, batch_invariant, {}
+
+    def __call__(self, spec: str) -> Any:
+        invariant = self.always or spec.partition(":")[2] == "invariant"
+        if invariant not in self.models:
+            self.models[invariant] = self.load(invariant)
+        return self.models[invariant]
+
+
+def autoregressive_of(spec: str) -> str:
+    """The autoregressive spec a method's output is compared with (the same numerics and sampling)."""
+    variant = spec.partition(":")[2]
+    return f"autoregressive:{variant}" if variant in ("invariant", "gumbel") else "autoregressive"
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -64,6 +87,8 @@ VARIANTS = {
     "paper": FIXED | {"window": 4, "num_draft": 2},  # the paper's fixed policy: N_i = 4, k_d = 2
     "fixed": FIXED | {"window": 2, "num_draft": 1},  # the best fixed policy of the sweep (docs/sweep-bfloat16.md)
     "full_vocab": {"use_exit_vocab": False},
+    "invariant": {},  # on the batch-invariant model (see ModelVariants)
+    "gumbel": {"drafter_invariant": True},  # drafter-invariant sampling (with --sample)
 }
 
 
@@ -85,7 +110,8 @@ def method_variant(spec: str) -> dict[str, Any]:
     """``method[:variant]`` (a benchmark's method spec) -> generation overrides: ``eager``/``gather``
     set the batched verification schedule, ``full_vocab`` makes early exits ignore the heads'
     reduced vocabularies, ``paper`` is the paper's fixed policy (N_i = 4, k_d = 2, no confidence
-    gates), ``fixed`` the best fixed policy of the sweep (k = 1, N_i = 2, no gates)."""
+    gates), ``fixed`` the best fixed policy of the sweep (k = 1, N_i = 2, no gates), ``invariant``
+    runs on the batch-invariant model, ``gumbel`` samples drafter-invariantly."""
     method, _, variant = spec.partition(":")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} in {spec!r}; choose from {', '.join(METHODS)}")

@@ -28,7 +28,8 @@ from ..engine.sequence import Counters, Sequence
 from ..errors import HiSpecError
 from ..files import check_writable, save_figure, write_text
 from ..models.loading import parse_dtype
-from .args import POLICY_FIELDS, add_config_args, add_model_args, config_overrides, method_variant, variant_for
+from .args import (POLICY_FIELDS, SAMPLING_FIELDS, ModelVariants, add_config_args, add_model_args, autoregressive_of,
+                   config_overrides, method_variant, variant_for)
 from .cli import add_debug_arg, positive_int, positive_int_list, run_cli
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Tally:
         return self.tokens / self.seconds if self.seconds else None
 
     def row(self, baseline: Tally | None, plain: Tally | None = None) -> dict[str, Any]:
+        """``plain``: the autoregressive run with the same numerics (its tokens/s and outputs)."""
         c = self.counters
         tps = self.tps() or 0.0
         base_tps, ar_tps = baseline and baseline.tps(), plain and plain.tps()
@@ -59,6 +61,8 @@ class Tally:
             "acceptance_final": round(c.accepted_final / c.tentative, 4) if c.tentative else None,
             "tokens_per_full_call": round(self.tokens / c.calls_full, 3) if c.calls_full else None,
             "matches_transformers": f"{self.matches}/{self.prompts}",
+            "matches_autoregressive": (f"{sum(a == b for a, b in zip(self.outputs, plain.outputs))}/{self.prompts}"
+                                       if plain else None),
         }
 
 
@@ -109,14 +113,16 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
                                "num_prompts": args.num_prompts, "dtypes": {}}
     for dtype in args.dtypes.split(","):
-        model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=dtype)
+        models = ModelVariants(lambda invariant: HiSpecModel.from_pretrained(
+            args.base, args.heads, dtype=dtype, batch_invariant=invariant), args.batch_invariant)
+        model = models("autoregressive")
         prompts = bench_prompts(model, args.num_prompts, args.prompts)
         config = bench_config(args)
         methods = [m for m in args.methods.split(",") if m]
         tallies = {m: Tally() for m in methods}
         for m in methods:  # warm-up: first calls allocate and tune kernels
             if m != "transformers":
-                model.generate([prompts[0]], config, max_new_tokens=8, **variant_for(model, m, config))
+                models(m).generate([prompts[0]], config, max_new_tokens=8, **variant_for(models(m), m, config))
             else:
                 _hf_generate(model, prompts[0], 8)
         for i, prompt in enumerate(tqdm(prompts, desc=f"bench {dtype}", unit="prompt")):
@@ -126,7 +132,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     tokens = _hf_generate(model, prompt, args.max_new_tokens)
                     counters = Counters()
                 else:
-                    (seq,) = model.generate([prompt], config, **variant_for(model, m, config)).seqs
+                    (seq,) = models(m).generate([prompt], config, **variant_for(models(m), m, config)).seqs
                     tokens, counters = seq.new_tokens, seq.counters
                 tally = tallies[m]
                 tally.seconds += time.perf_counter() - t0
@@ -140,7 +146,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 tally.matches = sum(a == b for a, b in zip(tally.outputs, baseline.outputs))
         policy = model.policy(config, method="hispec")
         results["dtypes"][dtype] = {
-            "methods": {m: t.row(baseline, tallies.get("autoregressive")) for m, t in tallies.items()},
+            "methods": {m: t.row(baseline, tallies.get(autoregressive_of(m))) for m, t in tallies.items()},
             "policy": asdict(policy) | {"self_spec_num_draft": model.policy(config, method="self_spec").num_draft},
             "verification_wall": verification_wall(model, policy, prompts[0]),
         }
@@ -151,7 +157,7 @@ def format_table(results: dict[str, Any]) -> str:
     lines = []
     width = max([15, *(len(m) for res in results["dtypes"].values() for m in res["methods"])])
     head = (f"{'dtype':9} {'method':{width}} {'tok/s':>8} {'x HF':>6} {'x AR':>6} {'acc L_i':>8} {'acc L_f':>8} "
-            f"{'tok/full':>9} {'= HF':>7}")
+            f"{'tok/full':>9} {'= HF':>7} {'= AR':>7}")
     for dtype, res in results["dtypes"].items():
         lines += [head, "-" * len(head)]
         for m, r in res["methods"].items():
@@ -160,7 +166,8 @@ def format_table(results: dict[str, Any]) -> str:
             lines.append(f"{dtype:9} {m:{width}} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
                          f"{f(r.get('ratio_to_autoregressive')):>6} "
                          f"{f(r['acceptance_intermediate'], True):>8} {f(r['acceptance_final'], True):>8} "
-                         f"{f(r['tokens_per_full_call']):>9} {r['matches_transformers']:>7}")
+                         f"{f(r['tokens_per_full_call']):>9} {r['matches_transformers']:>7} "
+                         f"{r.get('matches_autoregressive') or '-':>7}")
         w = res["verification_wall"]
         lines.append(f"verification wall ({dtype}): full pass {w['full_pass_ms']:.1f} ms / draft pass "
                      f"{w['draft_pass_ms']:.1f} ms = {w['full_over_draft']:.2f}x; a {res['policy']['window'] + 1}-token "
@@ -196,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "name its own, e.g. --methods autoregressive,hispec:eager,hispec:gather")
     p.add_argument("--max-batches", type=positive_int, default=None,
                    help="batched mode: decode at most this many batches per batch size (shorter runs)")
-    add_config_args(p, GenerationConfig, POLICY_FIELDS)
+    add_config_args(p, GenerationConfig, POLICY_FIELDS + SAMPLING_FIELDS)
     add_debug_arg(p)
     return p
 
@@ -286,7 +293,7 @@ def write_json(path: Path | None, results: dict[str, Any]) -> None:
 
 def bench_config(args: argparse.Namespace) -> GenerationConfig:
     """The generation settings every compared method shares (greedy; policy options as given)."""
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, **config_overrides(args, POLICY_FIELDS))
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, **config_overrides(args, POLICY_FIELDS + SAMPLING_FIELDS))
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -294,7 +301,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from .sweep import run_sweep, write_sweep
 
     for dtype in args.dtypes.split(","):
-        model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=dtype)
+        model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=dtype, batch_invariant=args.batch_invariant)
         policy = model.policy(bench_config(args), method="hispec")
         rows = run_sweep(model, policy, bench_prompts(model, args.num_prompts, args.prompts), args.max_new_tokens)
         write_sweep(rows, args.sweep, dtype)
@@ -313,10 +320,11 @@ def _batched(args: argparse.Namespace, default_num_prompts: int) -> int:
     results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "schedule": args.schedule,
                                "num_prompts": num_prompts, "max_batches": args.max_batches, "dtypes": {}}
     for dtype in args.dtypes.split(","):
-        model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=dtype)
-        prompts = bench_prompts(model, num_prompts, args.prompts)
+        models = ModelVariants(lambda invariant: HiSpecModel.from_pretrained(
+            args.base, args.heads, dtype=dtype, batch_invariant=invariant), args.batch_invariant)
+        prompts = bench_prompts(models("autoregressive"), num_prompts, args.prompts)
         methods = [m for m in args.methods.split(",") if m]
-        res = run_batched(model, prompts, sizes, bench_config(args), methods, args.schedule, args.max_batches)
+        res = run_batched(models, prompts, sizes, bench_config(args), methods, args.schedule, args.max_batches)
         results["dtypes"][dtype] = res
         print(format_batched(res, dtype))
     write_json(args.json, results)

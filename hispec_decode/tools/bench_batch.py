@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from ..config import DEFAULT_SCHEDULE, GenerationConfig
 from ..engine.sequence import Counters
-from .args import variant_for
+from .args import autoregressive_of, variant_for
 
 
 @dataclass
@@ -48,20 +48,21 @@ def hf_generate_padded(model, rows: list[list[int]], max_new_tokens: int, eos: f
     return seqs
 
 
-def run_batched(model, prompts: list[list[int]], batch_sizes: list[int], config: GenerationConfig, methods: list[str],
-                schedule: str = DEFAULT_SCHEDULE, max_batches: int | None = None) -> dict[str, Any]:
-    """``methods`` may name a verification schedule per method, e.g. ``hispec:gather``."""
-    eos = config.eos_ids(model.decoder.default_eos_ids())
+def run_batched(models: Callable[[str], Any], prompts: list[list[int]], batch_sizes: list[int], config: GenerationConfig,
+                methods: list[str], schedule: str = DEFAULT_SCHEDULE, max_batches: int | None = None) -> dict[str, Any]:
+    """``methods`` may name a verification schedule per method, e.g. ``hispec:gather``; ``models(spec)``
+    is the model a spec runs on (:class:`~hispec_decode.tools.args.ModelVariants`)."""
+    eos = config.eos_ids(models("autoregressive").decoder.default_eos_ids())
     results: dict[str, Any] = {}
     for b in batch_sizes:
         batches = [prompts[i : i + b] for i in range(0, len(prompts), b)][:max_batches]
         tallies = {m: BatchTally() for m in methods}
         for m in methods:  # warm-up at this batch size
-            _decode(model, m, batches[0], config.update(max_new_tokens=4), eos, schedule)
+            _decode(models(m), m, batches[0], config.update(max_new_tokens=4), eos, schedule)
         for i, batch in enumerate(tqdm(batches, desc=f"batch size {b}", unit="batch")):
             for m in methods[i % len(methods):] + methods[: i % len(methods)]:
                 t0 = time.perf_counter()
-                seqs, out = _decode(model, m, batch, config, eos, schedule)
+                seqs, out = _decode(models(m), m, batch, config, eos, schedule)
                 t = tallies[m]
                 t.seconds += time.perf_counter() - t0
                 t.tokens += sum(map(len, seqs))
@@ -97,6 +98,8 @@ def _rows(tallies: dict[str, BatchTally]) -> dict[str, Any]:
             "acceptance_final": round(c.accepted_final / c.tentative, 4) if c.tentative else None,
             "matches_transformers": (f"{sum(a == b for a, b in zip(t.outputs, base.outputs))}/{len(t.outputs)}"
                                      if base else None),
+            "matches_autoregressive": (f"{sum(a == b for a, b in zip(t.outputs, plain.outputs))}/{len(t.outputs)}"
+                                       if (plain := tallies.get(autoregressive_of(m))) else None),
             "peak_cache_bytes": t.peak_cache_bytes or None,
             "needed_cache_bytes": t.needed_cache_bytes or None,
         }
@@ -104,15 +107,16 @@ def _rows(tallies: dict[str, BatchTally]) -> dict[str, Any]:
 
 
 def format_batched(results: dict[str, Any], dtype: str) -> str:
-    head = (f"{'batch':>5} {'method':15} {'tok/s':>8} {'x HF':>6} {'x AR':>6} {'acc L_i':>8} {'acc L_f':>8} "
-            f"{'= HF':>7} {'cache peak/need':>16}")
+    head = (f"{'batch':>5} {'method':18} {'tok/s':>8} {'x HF':>6} {'x AR':>6} {'acc L_i':>8} {'acc L_f':>8} "
+            f"{'= HF':>7} {'= AR':>7} {'cache peak/need':>16}")
     lines = [f"batched throughput ({dtype})", head, "-" * len(head)]
     for b, rows in results.items():
         for m, r in rows.items():
             def f(x, pct=False):
                 return "-" if x is None else (f"{100 * x:.1f}%" if pct else f"{x:.2f}")
             cache = "-" if not r["peak_cache_bytes"] else f"{r['peak_cache_bytes'] / 2**20:.1f}/{r['needed_cache_bytes'] / 2**20:.1f} MiB"
-            lines.append(f"{b:>5} {m:15.15} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
+            lines.append(f"{b:>5} {m:18.18} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
                          f"{f(r['ratio_to_autoregressive']):>6} {f(r['acceptance_intermediate'], True):>8} "
-                         f"{f(r['acceptance_final'], True):>8} {r['matches_transformers'] or '-':>7} {cache:>16}")
+                         f"{f(r['acceptance_final'], True):>8} {r['matches_transformers'] or '-':>7} "
+                         f"{r.get('matches_autoregressive') or '-':>7} {cache:>16}")
     return "\n".join(lines)

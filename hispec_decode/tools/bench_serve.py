@@ -169,6 +169,7 @@ def launch(args: argparse.Namespace, method: str) -> tuple[subprocess.Popen, str
            "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
     cmd += ["--base", args.base] if args.base else []
     cmd += ["--heads", args.heads] if args.heads else []
+    cmd += ["--batch-invariant"] if args.batch_invariant else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 600
     while True:
@@ -286,7 +287,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.compare_generate:
         from ..api import HiSpecModel
 
-        model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype)
+        model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype, batch_invariant=args.batch_invariant)
     results: dict[str, Any] = {"dtype": args.dtype, "max_tokens": args.max_tokens, "prompts": args.prompts,
                                "servers": {}}
     for method in methods:

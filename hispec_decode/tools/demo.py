@@ -33,7 +33,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..api import HiSpecModel
 
     t0 = time.perf_counter()
-    model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype)
+    model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype, batch_invariant=args.batch_invariant)
     heads = ("none (exits use the base norm + LM head)" if model.adapter is None else
              ", ".join(f"L{e.layer} {e.role} ({e.head_type})" for e in model.adapter.config.exits))
     policy = model.policy(method="hispec")

@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
         texts = [line for line in args.prompt_file.read_text().splitlines() if line.strip()]
         if not texts:
             raise HiSpecError(f"--prompt-file {args.prompt_file} holds no prompt")
-    model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype)
+    model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype, batch_invariant=args.batch_invariant)
     if texts is None:
         rows = [args.prompt_ids]
     else:

@@ -66,7 +66,7 @@ def _run(args: argparse.Namespace) -> int:
 
     generation = GenerationConfig().update(**config_overrides(args, SERVER_POLICY_ARGS))
     engine_config = EngineConfig(**config_overrides(args, ENGINE_ARGS))
-    model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype)
+    model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype, batch_invariant=args.batch_invariant)
     engine = model.serve(generation, engine_config)
     name = args.served_model_name or model.base_name
     config = ServerConfig(name, args.api_key, args.max_queue, shutdown_timeout=args.shutdown_timeout)

@@ -61,7 +61,7 @@ def _run(args: argparse.Namespace) -> int:
         raise HiSpecError("--heads must be a local adapter directory (the tuned policy is written into it)")
     results = {}
     for dtype in args.dtypes.split(","):
-        model = HiSpecModel.from_pretrained(args.base, str(heads), dtype=dtype)
+        model = HiSpecModel.from_pretrained(args.base, str(heads), dtype=dtype, batch_invariant=args.batch_invariant)
         if model.tokenizer is None:
             raise HiSpecError("tuning needs the base's tokenizer for its calibration prompts")
         prompts = [encode_prompt(model.tokenizer, t, chat=args.prompts not in CHAT_FREE)

@@ -74,10 +74,10 @@ class _Sampler:
     def __init__(self) -> None:
         self.generator = torch.Generator()
 
-    def choose(self, logits: torch.Tensor) -> tuple[int, None]:
+    def choose(self, logits: torch.Tensor, position: int | None = None) -> tuple[int, None]:
         return int(logits[-1, 0]), None
 
-    def propose(self, logits: torch.Tensor, threshold: float) -> tuple[int, None] | None:
+    def propose(self, logits: torch.Tensor, threshold: float, position: int | None = None) -> tuple[int, None] | None:
         if threshold > 0 and float(logits[-1, 1]) < threshold:
             return None
         return int(logits[-1, 0]), None
@@ -85,7 +85,8 @@ class _Sampler:
     def confidence(self, logits: torch.Tensor, probs: None = None) -> torch.Tensor:
         return logits[:, 1]
 
-    def verify(self, candidates: list[int], proposal: None, target_logits: torch.Tensor) -> Verdict:
+    def verify(self, candidates: list[int], proposal: None, target_logits: torch.Tensor,
+               position: int | None = None) -> Verdict:
         best = [int(t) for t in target_logits[:, 0]]
         j = 0
         while j < len(candidates) and candidates[j] == best[j]:
