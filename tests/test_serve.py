@@ -328,25 +328,31 @@ def test_api_key(guarded):
     assert guarded.client().completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_full_queue_gets_503(guarded):
+def test_full_queue_gets_503(long_base):
     """One running (max_num_seqs=1), one waiting (max_queue=1): the next request is refused, not queued."""
-    body = {"model": MODEL, "prompt": "a", "max_tokens": 90, "stream": True, "hispec": {"ignore_eos": True}}
-    conn = http.client.HTTPConnection("127.0.0.1", guarded.port, timeout=60)
-    conn.request("POST", TEXT, json.dumps(body), {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    running = conn.getresponse()
-    assert running.readline().startswith(b"data: ")
-    waiting = threading.Thread(target=guarded.request, args=("POST", TEXT, {"model": MODEL, "prompt": "b", "max_tokens": 2}))
-    waiting.start()
-    deadline = time.monotonic() + 10
-    while guarded.metric("hispec_num_requests_waiting") < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    code, answer = guarded.request("POST", TEXT, {"model": MODEL, "prompt": "c", "max_tokens": 2})
-    assert code == 503 and answer["error"]["code"] == "queue_full"
-    running.read()
-    conn.close()
-    waiting.join(30)
-    assert guarded.request("POST", TEXT, {"model": MODEL, "prompt": "d", "max_tokens": 2})[0] == 200
+    model = HiSpecModel.from_pretrained(str(long_base))
+    server = LiveServer(model, ServerConfig(MODEL, max_queue=1), num_blocks=600, max_num_seqs=1)
+    try:
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 6000, "stream": True, "hispec": {"ignore_eos": True}}
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("POST", TEXT, json.dumps(body), {"Content-Type": "application/json"})
+        running = conn.getresponse()
+        assert running.readline().startswith(b"data: ")  # seconds of work left: it holds the only place
+        waiting = threading.Thread(target=server.request, args=("POST", TEXT, {"model": MODEL, "prompt": "b", "max_tokens": 2}))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while server.metric("hispec_num_requests_waiting") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        code, answer = server.request("POST", TEXT, {"model": MODEL, "prompt": "c", "max_tokens": 2})
+        assert code == 503 and answer["error"]["code"] == "queue_full"
+        conn.sock.shutdown(socket.SHUT_RDWR)  # the running request leaves: the waiting one is served
+        conn.close()
+        waiting.join(30)
+        assert not waiting.is_alive()
+        assert server.request("POST", TEXT, {"model": MODEL, "prompt": "d", "max_tokens": 2})[0] == 200
+    finally:
+        server.close()
 
 
 # -- SIGTERM --------------------------------------------------------------------------------------
