@@ -199,3 +199,17 @@ def test_drafter_invariant_samples_are_the_same_text_for_every_method_policy_and
     default = [model.generate(PROMPTS[:5], method=m, **p, **(kwargs | {"drafter_invariant": False})).sequences
                for m, p in policies]
     assert any(d != default[0] for d in default[1:])  # the teeth: rejection sampling's text depends on the method
+
+
+def test_top_p_mask_of_a_row_does_not_depend_on_the_other_rows():
+    """The nucleus is cut per row: a row next to one whose nucleus is wide (full sort) gets the mask
+    it gets alone (a top-k fast path), including at ties on the nucleus edge."""
+    vocab = 2000
+    narrow = torch.full((vocab,), -30.0)
+    narrow[:6] = torch.tensor([5.0, 4.0, 4.0, 4.0, 3.0, 3.0])  # ties at the edge of a small nucleus
+    wide = torch.zeros(vocab)  # uniform: the nucleus holds most of the vocabulary
+    params = SamplingParams(True, top_p=0.8)
+    alone = warp(narrow[None], params)
+    for batch in (torch.stack([narrow, wide]), torch.stack([wide, narrow, wide])):
+        row = [i for i in range(len(batch)) if torch.equal(batch[i], narrow)][0]
+        assert torch.equal(warp(batch, params)[row], alone[0])

@@ -452,3 +452,14 @@ def test_drafter_invariant_extension_gives_the_same_text_on_every_server(chat_mo
         finally:
             server.close()
     assert texts["autoregressive"] == texts["hispec"] and texts["hispec"][0] != texts["hispec"][1]
+
+
+def test_port_in_use_fails_clearly(long_base):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "hispec_decode.tools.serve", "--base", str(long_base), "--heads",
+                               "none", "--port", str(port), "--log-level", "warning"], capture_output=True, text=True,
+                              timeout=120)
+    assert proc.returncode == 2 and "port in use" in proc.stderr, proc.stderr[-2000:]

@@ -71,11 +71,18 @@ def _outside_nucleus(logits: torch.Tensor, top_p: float, head: int = 512) -> tor
     >= ``top_p``. The prefix usually lies within the ``head`` most likely tokens: then a top-k
     gives it (the same order and partial sums as a full sort) without sorting the vocabulary."""
     probs = logits.softmax(-1)
-    if head < logits.shape[-1]:
-        top, order = probs.topk(head, dim=-1)  # sorted, descending
-        drop = top.cumsum(-1) - top >= top_p
-        if bool(drop[:, -1].all()):  # every row's nucleus ends inside the head
-            return torch.ones_like(probs, dtype=torch.bool).scatter(-1, order, drop)
+    if head >= logits.shape[-1]:
+        return _sorted_outside(probs, top_p)
+    top, order = probs.topk(head, dim=-1)  # sorted, descending
+    drop = top.cumsum(-1) - top >= top_p
+    mask = torch.ones_like(probs, dtype=torch.bool).scatter(-1, order, drop)
+    long = (~drop[:, -1]).nonzero()[:, 0]  # rows whose nucleus does not end inside the head
+    if len(long):  # decided per row, so a row's mask never depends on the other rows of the call
+        mask[long] = _sorted_outside(probs[long], top_p)
+    return mask
+
+
+def _sorted_outside(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     top, order = torch.sort(probs, dim=-1, descending=True)
     drop = top.cumsum(-1) - top >= top_p  # keep the smallest prefix with mass >= top_p
     return drop.scatter(-1, order, drop)
@@ -106,7 +113,7 @@ class TokenSampler:
     the text depends on the seed only: not on the method, the policy, the drafts or the batch.
     """
 
-    NOISE_CACHE = 64  # positions whose noise is kept (a window's worth and more)
+    NOISE_CACHE = 32  # positions whose noise is kept at most (commits drop the older ones: see forget)
 
     def __init__(self, params: SamplingParams, seed: int | None = None) -> None:
         self.params = params
@@ -142,6 +149,11 @@ class TokenSampler:
                 del self._noise[min(self._noise)]
             self._noise[position] = g
         return g
+
+    def forget(self, before: int) -> None:
+        """Drop the noise of positions before ``before`` (committed: never chosen again)."""
+        for p in [p for p in self._noise if p < before]:
+            del self._noise[p]
 
     def _gumbel_argmax(self, probs: torch.Tensor, position: int | None) -> int:
         return int((probs.double().log() + self.noise(position, probs.shape[-1])).argmax())

@@ -161,6 +161,7 @@ class Sequence:
             self.truncate(eos_at + 1)
         self.committed = len(self.tokens)
         self.rng_state = self.sampler.generator.get_state()
+        self.sampler.forget(self.committed)
         for states in (self.final_states, *self.own_states.values()):
             # the next draft (row committed - 1) reads position committed - 2; nothing before it is read again
             for p in [p for p in states if p < self.committed - 2]:

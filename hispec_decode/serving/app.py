@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
@@ -25,7 +25,7 @@ from ..api import HiSpecModel
 from ..engine.llm_engine import LLMEngine
 from ..errors import HiSpecError
 from .async_engine import AsyncEngine
-from .completions import CompletionRun, Job
+from .completions import CompletionRun, CompletionStream, Job
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ServerError
 
@@ -146,8 +146,7 @@ def build_app(model: HiSpecModel, engine: LLMEngine, config: ServerConfig, engin
         run = CompletionRun(server, tokenizer, metrics, job)
         await run.submit()
         if req.stream:
-            return StreamingResponse(run.stream(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return CompletionStream(run)
         return JSONResponse(await run.answer(request.is_disconnected))
 
     return app

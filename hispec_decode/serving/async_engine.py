@@ -110,6 +110,8 @@ class AsyncEngine:
             request_id = await future
         except BaseException:
             self.in_flight -= 1
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self._commands.put(("abort", future.result()))  # added, but its handler was cancelled meanwhile
             raise
         return RequestHandle(request_id, events)
 
@@ -119,6 +121,12 @@ class AsyncEngine:
         if abort:
             self._commands.put(("abort", handle.request_id))
 
+    def request_stop(self) -> None:
+        """Stop the engine loop after the commands already queued (thread-safe; e.g. the HTTP
+        server exited without its lifespan shutdown)."""
+        self.accepting = False
+        self._commands.put(("stop", None))
+
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Stop accepting, abort what still runs, stop the thread (joined within ``timeout``)."""
         self.accepting = False
@@ -127,11 +135,15 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, timeout)
 
     # -- engine thread -----------------------------------------------------------------------
-    def _post(self, events: asyncio.Queue, event: Event) -> None:
+    def _call(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` on the event loop (from the engine thread)."""
         try:
-            self._loop.call_soon_threadsafe(events.put_nowait, event)
+            self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop has closed (the server is exiting)
             pass
+
+    def _post(self, events: asyncio.Queue, event: Event) -> None:
+        self._call(events.put_nowait, event)
 
     def run(self) -> None:
         """The engine loop, until :meth:`shutdown`. Torch runs fastest on the process's main thread
@@ -167,10 +179,10 @@ class AsyncEngine:
             try:
                 request_id = self.engine.add_request(prompt, **overrides)
             except HiSpecError as exc:
-                self._loop.call_soon_threadsafe(_fail, future, ServerError(400, str(exc)))
+                self._call(_fail, future, ServerError(400, str(exc)))
                 return True
             self._streams[request_id] = events
-            self._loop.call_soon_threadsafe(self._resolve, future, request_id)
+            self._call(self._resolve, future, request_id)
         elif kind == "abort" and arg in self._streams:
             self._abort(arg)
         return True
@@ -223,8 +235,8 @@ class AsyncEngine:
         (t0, n0) = self._rate[0]
         counters = Counters()
         counters.add(self._finished_counters)
-        for seq in self.engine.scheduler.running:
-            counters.add(seq.counters)
+        for request_id in self._streams:  # running, waiting and preempted requests alike
+            counters.add(self.engine.sequences[request_id].counters)
         manager = self.engine.cache.manager
         self.snapshot = Snapshot(
             running=len(self.engine.scheduler.running), waiting=len(self.engine.scheduler.waiting),

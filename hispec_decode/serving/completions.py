@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from starlette.responses import StreamingResponse
+
 from .async_engine import AsyncEngine, Event, RequestHandle
 from .detokenize import TextStream
 from .metrics import ServerMetrics
 from .protocol import ServerError
+
+logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
@@ -68,6 +73,8 @@ class Choice:
         elif event.finished:
             self.finish_reason, self.counters = event.finish_reason, event.counters
             delta += self.text.finish()
+            if self.text.stopped:  # a stop string completed by the held-back tail
+                self.finish_reason = "stop"
         return delta
 
     def take_ids(self) -> list[int]:
@@ -82,6 +89,7 @@ class CompletionRun:
         self.engine, self.tokenizer, self.metrics, self.job = engine, tokenizer, metrics, job
         self.choices: list[Choice] = []
         self.first_text = False
+        self.released = False
 
     async def submit(self) -> None:
         job = self.job
@@ -158,6 +166,9 @@ class CompletionRun:
                         await merged.put((choice, delta))
             except ServerError as exc:
                 await merged.put((choice, exc))
+            except Exception as exc:  # a bug: end this choice's stream with an error instead of hanging
+                logger.exception("streaming choice %d failed", choice.index)
+                await merged.put((choice, ServerError(500, f"internal error: {type(exc).__name__}")))
 
         tasks = [asyncio.ensure_future(forward(c)) for c in self.choices]
         try:
@@ -229,6 +240,10 @@ class CompletionRun:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _finish(self) -> None:
+        """Record the request's metrics and hand its choices back (once, however the request ended)."""
+        if self.released:
+            return
+        self.released = True
         for c in self.choices:
             if c.finished and c.counters is not None and c.counters.calls_full:
                 self.metrics.tokens_per_full_pass.observe(c.text.num_tokens / c.counters.calls_full)
@@ -238,3 +253,20 @@ class CompletionRun:
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class CompletionStream(StreamingResponse):
+    """The SSE response of a run; releases the run however the response ends, also when the client
+    left before the first chunk was pulled (then the body generator never starts, so its own
+    ``finally`` would not run)."""
+
+    def __init__(self, run: CompletionRun) -> None:
+        super().__init__(run.stream(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.run = run
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run._finish()

@@ -23,7 +23,8 @@ class ServerError(Exception):
     """An error the client caused or must know about, sent as OpenAI's error object."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 422: "invalid_request_error", 503: "server_overloaded"}
+             405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+             503: "server_overloaded"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

@@ -22,6 +22,7 @@ import logging
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -170,7 +171,8 @@ def launch(args: argparse.Namespace, method: str) -> tuple[subprocess.Popen, str
     cmd += ["--base", args.base] if args.base else []
     cmd += ["--heads", args.heads] if args.heads else []
     cmd += ["--batch-invariant"] if args.batch_invariant else []
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tempfile.TemporaryFile()  # not a pipe: nobody reads it while the server runs
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + 600
     while True:
         try:
@@ -182,7 +184,9 @@ def launch(args: argparse.Namespace, method: str) -> tuple[subprocess.Popen, str
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise HiSpecError(f"hispec-serve for {method} did not start: {proc.stderr.read().decode()[-2000:]}")
+            proc.wait()
+            log.seek(0)
+            raise HiSpecError(f"hispec-serve for {method} did not start: {log.read().decode(errors='replace')[-2000:]}")
         time.sleep(0.5)
 
 

@@ -92,8 +92,12 @@ def _run(args: argparse.Namespace) -> int:
     while not app.state.engine.wait_ready(0.5):
         if not http.is_alive():
             raise HiSpecError(f"the HTTP server did not start on {args.host}:{args.port} (see the log above)")
+    # however the HTTP thread ends (a forced exit skips the lifespan shutdown), the engine loop stops
+    threading.Thread(target=lambda: (http.join(), app.state.engine.request_stop()), daemon=True).start()
     app.state.engine.run()  # until the HTTP server has shut down
     http.join(timeout=args.shutdown_timeout + 30)
+    if not server.started:
+        raise HiSpecError(f"could not serve on {args.host}:{args.port} (see the log above; is the port in use?)")
     log.info("server stopped")
     return 0
 

@@ -77,6 +77,9 @@ class _Sampler:
     def choose(self, logits: torch.Tensor, position: int | None = None) -> tuple[int, None]:
         return int(logits[-1, 0]), None
 
+    def forget(self, before: int) -> None:
+        pass
+
     def propose(self, logits: torch.Tensor, threshold: float, position: int | None = None) -> tuple[int, None] | None:
         if threshold > 0 and float(logits[-1, 1]) < threshold:
             return None
