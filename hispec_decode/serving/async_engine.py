@@ -37,6 +37,7 @@ PUBLISH_EVERY_S = 0.05  # the metrics snapshot is refreshed this often while req
 class Event:
     """Committed tokens of one request; the last event has ``finished`` (or ``error``) set."""
 
+    request_id: int
     tokens: list[int]
     finished: bool = False
     finish_reason: str | None = None  # "stop" (EOS), "length", "abort"
@@ -95,15 +96,17 @@ class AsyncEngine:
     def wait_ready(self, timeout: float) -> bool:
         return self._ready.wait(timeout)
 
-    async def add(self, prompt: list[int], **overrides: Any) -> RequestHandle:
-        """Queue a request; fails with :class:`ServerError` (400 bad request, 503 full or stopping)."""
+    async def add(self, prompt: list[int], events: asyncio.Queue | None = None, **overrides: Any) -> RequestHandle:
+        """Queue a request whose events go to ``events`` (several requests may share one queue:
+        events carry their request id); fails with :class:`ServerError` (400 bad request, 503 full
+        or stopping)."""
         if not self.accepting:
             raise ServerError(503, "the server is shutting down", code="shutting_down")
         if self.in_flight - self.snapshot.running >= self.max_queue:
             raise ServerError(503, f"the server is overloaded ({self.max_queue} requests already wait); retry later",
                               code="queue_full")
         future = self._loop.create_future()
-        events: asyncio.Queue = asyncio.Queue()
+        events = events if events is not None else asyncio.Queue()
         self.in_flight += 1
         self._commands.put(("add", (prompt, overrides, events, future)))
         try:
@@ -213,16 +216,16 @@ class AsyncEngine:
                 seq = self.engine.sequences[request_id]
                 if seq.status.value == "running":
                     self._abort(request_id)
-                    self._post(events, Event([], True, "abort", error=f"engine error: {exc}"))
+                    self._post(events, Event(request_id, [], True, "abort", error=f"engine error: {exc}"))
             return
         for out in outputs:
             self._generated += len(out.new_tokens)
             events = self._streams[out.request_id]
             if out.finished:
                 reason = self.engine.sequences[out.request_id].finish_reason
-                self._post(events, Event(out.new_tokens, True, reason, self._release(out.request_id)))
+                self._post(events, Event(out.request_id, out.new_tokens, True, reason, self._release(out.request_id)))
             else:
-                self._post(events, Event(out.new_tokens))
+                self._post(events, Event(out.request_id, out.new_tokens))
 
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -248,7 +251,7 @@ class AsyncEngine:
         """Abort whatever is still running (its handlers get a final "abort" event)."""
         for request_id, events in list(self._streams.items()):
             self._abort(request_id)
-            self._post(events, Event([], True, "abort", error="the server shut down"))
+            self._post(events, Event(request_id, [], True, "abort", error="the server shut down"))
         self._publish(force=True)
 
 

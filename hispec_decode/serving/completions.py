@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,8 +23,6 @@ from .async_engine import AsyncEngine, Event, RequestHandle
 from .detokenize import TextStream
 from .metrics import ServerMetrics
 from .protocol import ServerError
-
-logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
@@ -88,6 +85,8 @@ class CompletionRun:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, metrics: ServerMetrics, job: Job) -> None:
         self.engine, self.tokenizer, self.metrics, self.job = engine, tokenizer, metrics, job
         self.choices: list[Choice] = []
+        self.events: asyncio.Queue = asyncio.Queue()  # every choice's engine events, in arrival order
+        self.by_request: dict[int, Choice] = {}
         self.first_text = False
         self.released = False
 
@@ -100,8 +99,9 @@ class CompletionRun:
                     overrides = dict(job.overrides)
                     if seed is not None:
                         overrides["seed"] = (seed + i) % 2**63
-                    handle = await self.engine.add(prompt, **overrides)
+                    handle = await self.engine.add(prompt, self.events, **overrides)
                     self.choices.append(Choice(p * job.n + i, prompt, handle, TextStream(self.tokenizer, job.stop)))
+                    self.by_request[handle.request_id] = self.choices[-1]
         except BaseException:
             self.close()
             raise
@@ -113,32 +113,33 @@ class CompletionRun:
             self.engine.done(choice.handle, abort=not choice.finished or choice.text.stopped)
         self.choices = []
 
-    async def _events(self, choice: Choice) -> AsyncIterator[str]:
-        while not choice.finished:
-            delta = choice.accept(await choice.handle.events.get())
+    def _unfinished(self) -> int:
+        return sum(not c.finished for c in self.choices)
+
+    async def _next(self) -> tuple[Choice, str]:
+        """The next engine event of an unfinished choice, applied: (the choice, the text it adds)."""
+        while True:
+            event = await self.events.get()
+            choice = self.by_request[event.request_id]
+            if choice.finished:  # a choice ended by a stop string: its request runs until the abort lands
+                continue
+            delta = choice.accept(event)
             if delta and not self.first_text:
                 self.first_text = True
                 self.metrics.ttft.observe(time.perf_counter() - self.job.arrival)
-            yield delta
+            return choice, delta
 
     # -- non-streamed ------------------------------------------------------------------------
     async def answer(self, is_disconnected) -> dict[str, Any]:
-        async def collect(choice: Choice) -> None:
-            async for _ in self._events(choice):
-                pass
-
-        work = asyncio.ensure_future(asyncio.gather(*(collect(c) for c in self.choices)))
         try:
-            while not work.done():
-                await asyncio.wait([work], timeout=DISCONNECT_POLL_S)
-                if not work.done() and await is_disconnected():
-                    work.cancel()
-                    raise asyncio.CancelledError("client disconnected")
-            work.result()
+            while self._unfinished():
+                try:
+                    await asyncio.wait_for(self._next(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await is_disconnected():
+                        raise asyncio.CancelledError("client disconnected") from None
             return self._response()
         finally:
-            if not work.done():
-                work.cancel()
             self._finish()
 
     def _response(self) -> dict[str, Any]:
@@ -157,43 +158,25 @@ class CompletionRun:
     # -- streamed ----------------------------------------------------------------------------
     async def stream(self) -> AsyncIterator[str]:
         """Server-sent events; aborts the unfinished choices if the client goes away (cancellation)."""
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def forward(choice: Choice) -> None:
-            try:
-                async for delta in self._events(choice):
-                    if delta or choice.finished:
-                        await merged.put((choice, delta))
-            except ServerError as exc:
-                await merged.put((choice, exc))
-            except Exception as exc:  # a bug: end this choice's stream with an error instead of hanging
-                logger.exception("streaming choice %d failed", choice.index)
-                await merged.put((choice, ServerError(500, f"internal error: {type(exc).__name__}")))
-
-        tasks = [asyncio.ensure_future(forward(c)) for c in self.choices]
         try:
             if self.job.chat:
                 for c in self.choices:
                     yield _sse(self._chunk(c, {"role": "assistant", "content": ""}))
-            pending = len(self.choices)
-            while pending:
-                choice, delta = await merged.get()
-                if isinstance(delta, ServerError):
-                    yield _sse(delta.body())
-                    pending -= 1
-                    continue
+            while self._unfinished():
+                try:
+                    choice, delta = await self._next()
+                except ServerError as exc:  # the engine failed or shut down: end the stream with the error
+                    yield _sse(exc.body())
+                    break
                 ids = choice.take_ids() if self.job.return_token_ids else []
                 if delta or ids:
                     yield _sse(self._chunk(choice, {"content": delta} if self.job.chat else delta, ids))
                 if choice.finished:
-                    pending -= 1
                     yield _sse(self._chunk(choice, {} if self.job.chat else "", [], final=True))
             if self.job.include_usage:
                 yield _sse(self._base("chunk") | {"choices": [], "usage": self._usage()})
             yield "data: [DONE]\n\n"
         finally:
-            for task in tasks:
-                task.cancel()
             self._finish()
 
     def _chunk(self, c: Choice, delta: Any, ids: list[int] | None = None, final: bool = False) -> dict[str, Any]:
