@@ -17,21 +17,24 @@ stamp "self-distilled data: $TOKENS answer tokens (data/selfdistill-smollm2)"
 hispec-selfdistill --out data/selfdistill-smollm2 --max-tokens "$TOKENS" --batch-size 48 --shard-records 128 \
   --shard-seconds 240 --resume
 
+# runs/<stage>.done holds the data size a finished stage was built from; runs/<stage>.building the size of
+# the one in progress (an interrupted stage of the same size resumes, anything else starts again)
+mode_for() { [ -e "runs/$1" ] && [ "$(cat "runs/$1.building" 2>/dev/null)" = "$TOKENS" ] && echo --resume || echo --overwrite; }
+
 stamp "feature store (runs/store-smollm2)"
-if [ "$(cat runs/store-smollm2/DONE 2>/dev/null)" != "$TOKENS" ]; then  # DONE holds the data size it was built from
-  mode=(--overwrite)  # a store of another data size is rebuilt; an interrupted one of this size resumes
-  [ -f runs/store-smollm2/BUILDING ] && [ "$(cat runs/store-smollm2/BUILDING)" = "$TOKENS" ] && mode=(--resume)
-  mkdir -p runs/store-smollm2 && echo "$TOKENS" > runs/store-smollm2/BUILDING
-  hispec-store --dataset data/selfdistill-smollm2 --out runs/store-smollm2 --layers 2,8 --eval-sequences 64 "${mode[@]}"
-  echo "$TOKENS" > runs/store-smollm2/DONE
-  rm -f runs/smollm2-135m/DONE  # new features: the heads are trained again
+if [ "$(cat runs/store-smollm2.done 2>/dev/null)" != "$TOKENS" ]; then
+  mode=$(mode_for store-smollm2)
+  echo "$TOKENS" > runs/store-smollm2.building
+  hispec-store --dataset data/selfdistill-smollm2 --out runs/store-smollm2 --layers 2,8 --eval-sequences 64 $mode
+  echo "$TOKENS" > runs/store-smollm2.done
 fi
 
 stamp "heads: $STEPS steps (runs/smollm2-135m)"
-if [ ! -f runs/smollm2-135m/DONE ]; then
-  train=(hispec-train --recipe recipes/smollm2-135m.yaml --max-steps "$STEPS")
-  "${train[@]}" --resume || "${train[@]}"
-  touch runs/smollm2-135m/DONE
+if [ "$(cat runs/smollm2-135m.done 2>/dev/null)" != "$TOKENS" ]; then
+  mode=$(mode_for smollm2-135m)
+  echo "$TOKENS" > runs/smollm2-135m.building
+  hispec-train --recipe recipes/smollm2-135m.yaml --max-steps "$STEPS" $mode
+  echo "$TOKENS" > runs/smollm2-135m.done
 fi
 
 stamp "export to $OUT, tune"
