@@ -76,7 +76,11 @@ class DecoderModel(ABC):
         """Make every row's numbers independent of the other rows of its pass and of their count:
         linears (and heads) run on chunks of exactly ``rows`` rows, attention one query row at a
         time over exactly its own keys (:func:`~hispec_decode.layers.attention.attend_invariant`);
-        norms and elementwise ops are row-wise already. ``None`` switches it off."""
+        norms and elementwise ops are row-wise already. ``None`` switches it off. Call it before
+        decoding (``from_pretrained(batch_invariant=True)`` does): caches and the packed kernels of
+        ``decoder_block`` heads built earlier keep the mode they were built in. Rotary embeddings
+        that depend on the call's longest position (dynamic NTK, longrope) are not batch-invariant
+        past the original context."""
         self.row_bucket = rows
         self.lm_head_kernel = FusedLinear([self.lm_head], self.pack and self.kept_norm is None, rows)
         self._vocab_kernels = {}
