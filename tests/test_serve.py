@@ -30,15 +30,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from conftest import COMMON, LLAMA_LIKE, save_char_tokenizer
 from hispec_decode import HiSpecModel
 from hispec_decode.serving import ServerConfig, build_app
+from hispec_decode.tools.bench_serve import free_port
 
 MODEL = "tiny-chat"
 KEY = "sk-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:

@@ -152,6 +152,8 @@ class TokenSampler:
 
     def forget(self, before: int) -> None:
         """Drop the noise of positions before ``before`` (committed: never chosen again)."""
+        if not self._noise:  # the default sampling keeps none: nothing to do at each commit
+            return
         for p in [p for p in self._noise if p < before]:
             del self._noise[p]
 

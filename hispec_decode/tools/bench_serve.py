@@ -35,6 +35,7 @@ from tqdm import tqdm
 from ..config import METHODS
 from ..data.prompts import PROMPT_SETS, encode_prompt, prompt_set
 from ..errors import HiSpecError
+from ..files import check_writable, save_figure, write_text
 from .args import add_model_args
 from .cli import add_debug_arg, positive_int, positive_int_list, run_cli
 
@@ -245,7 +246,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"hispec-serve, {results['model']} ({results['dtype']}), {results['max_tokens']} new tokens, greedy chat")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -284,6 +285,9 @@ def _run(args: argparse.Namespace) -> int:
     for m in methods:
         if m is not None and m not in METHODS:
             raise HiSpecError(f"unknown method {m!r} in --launch; choose from {', '.join(METHODS)}")
+    for output in (args.json, args.plot):  # before minutes of measuring, not after
+        if output is not None:
+            check_writable(output.parent, f"the directory of {output}")
     if args.compare_generate and not args.launch:
         raise HiSpecError("--compare-generate needs --launch (this process loads the same model)")
     prompts = prompt_set(args.prompts, args.num_prompts)
@@ -319,7 +323,7 @@ def _run(args: argparse.Namespace) -> int:
             if proc is not None:
                 stop(proc)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+        write_text(args.json, json.dumps(results, indent=2, sort_keys=True) + "\n")
     if args.plot:
         plot(results, args.plot)
     print(_table(results))
