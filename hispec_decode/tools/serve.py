@@ -78,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
              engine.cache.manager.num_blocks, engine.cache.manager.block_size, engine_config.max_num_seqs)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout))
-    # HTTP on a thread, the engine on this (main) thread: torch decodes 1.6x faster here (AsyncEngine.run)
+    # HTTP on a thread, the engine on this (main) thread: torch decodes 1.5x faster here (AsyncEngine.run)
     http = threading.Thread(target=server.run, name="hispec-http", daemon=True)
 
     def handle_exit(sig: int, frame: object) -> None:
