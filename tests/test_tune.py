@@ -53,11 +53,13 @@ def test_replay_counts_what_real_decoding_does(tuned_setup, gates, method):
 def test_batch_thresholds_rise_with_the_batch(tuned_setup):
     model, _ = tuned_setup
     costs = measure_costs(model.runner, [2, 4], reps=1)
-    thresholds = batch_thresholds(costs, model.num_layers, cap=0.9)
+    thresholds = batch_thresholds(costs, model.num_layers, cap=0.9, draft_layer=2)
     assert thresholds["1"] == 0.0 and set(thresholds) >= {"2", "4", "8", "16"}
     assert all(0 <= v <= 0.9 or v == 1.5 for v in thresholds.values())
     values = list(thresholds.values())
     assert values == sorted(values), "a bigger batch never makes speculation cheaper"
+    deeper = batch_thresholds(costs, model.num_layers, cap=0.9, draft_layer=4)
+    assert all(deeper[b] >= thresholds[b] for b in thresholds), "a costlier draft pass needs more acceptance"
 
 
 def test_precision_above_counts_generated_positions(tuned_setup):
@@ -71,6 +73,7 @@ def test_precision_above_counts_generated_positions(tuned_setup):
 def test_tune_cli_writes_the_policy_into_the_adapter(trainable_base, tuned_setup, tmp_path, capsys):
     _, heads = tuned_setup
     weights = (heads / "hispec_heads.safetensors").read_bytes()
+    (heads / tune_cli.CARD_NAME).write_text(f"# my heads\n\nintro\n\n{tune_cli.CARD_BEGIN}\nstale policy\n{tune_cli.CARD_END}\n")
     assert tune_cli.main(["--base", str(trainable_base), "--heads", str(heads), "--dtypes", "float32", "--prompts",
                           "builtin", "--num-prompts", "2", "--max-new-tokens", "6", "--confirm", "1",
                           "--json", str(tmp_path / "tune.json")]) == 0
@@ -85,6 +88,28 @@ def test_tune_cli_writes_the_policy_into_the_adapter(trainable_base, tuned_setup
     assert (policy.window, policy.num_draft, policy.draft_threshold) == (
         tuned["hispec"]["window"], tuned["hispec"]["num_draft"], tuned["hispec"]["draft_threshold"])
     assert json.loads((tmp_path / "tune.json").read_text())["float32"]["hispec"] == tuned["hispec"]
+    card = (heads / tune_cli.CARD_NAME).read_text()  # the model card gets the policy, replacing the stale one
+    assert card.startswith("# my heads\n\nintro\n") and "stale policy" not in card
+    assert card.count(tune_cli.CARD_BEGIN) == 1 and card.rstrip().endswith(tune_cli.CARD_END)
+    assert "| float32 | " in card and "tok/s against" in card
+
+
+def test_card_section_describes_each_policy():
+    measured = {"prompts": 8, "max_new_tokens": 128, "tuned_on": "2026-11-30", "chosen": "x",
+                "confirmed": [{"config": "x", "measured_tokens_per_second": 60.0},
+                              {"config": "autoregressive", "measured_tokens_per_second": 50.0}]}
+    policies = {
+        "bfloat16": {"hispec": {"draft_layer": 2, "verify_layer": 8, "window": 4, "num_draft": 2, "draft_threshold": 0.4,
+                                "verify_threshold": 0.2, "batch_thresholds": {"1": 0.0, "16": 1.5, "2": 0.3}},
+                     "self_spec": {"draft_layer": 2, "num_draft": 1, "draft_threshold": 0.0}, "measurements": measured},
+        "float32": {"hispec": {"draft_layer": 2, "verify_layer": 30, "window": 1, "num_draft": 1, "draft_threshold": 1.5,
+                               "verify_threshold": 1.5},
+                    "self_spec": {"draft_layer": 2, "num_draft": 3, "draft_threshold": 0.0}},
+    }
+    text = tune_cli.card_section(policies, 30)
+    assert "| bfloat16 | L_d 2, L_i 8, k_d ≤ 2, N_i ≤ 4, τ_d 0.4, τ_v 0.2 | L_d 2, k ≤ 1, τ_d 0 | 60.0 tok/s against 50.0" in text
+    assert "(1.20x;" in text and "bfloat16: B=1 0, B=2 0.3, B=16 1.5" in text
+    assert "| float32 | no speculation (plain decoding) | L_d 2, k ≤ 3, τ_d 0 | – |" in text
 
 
 def test_tune_cli_needs_a_local_adapter(trainable_base, capsys):

@@ -78,12 +78,70 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{dtype:9} {row['config']:60} predicted {row['predicted_tokens_per_second']:7.1f} tok/s, "
                   f"measured {row['measured_tokens_per_second']:7.1f} tok/s")
         print(f"{dtype}: hispec policy {results[dtype]['hispec']}")
+    update_model_card(heads)
     if args.json is not None:
         write_text(args.json, json.dumps(results, indent=2, sort_keys=True) + "\n")
     if args.report is not None:
         write_text(args.report, report_markdown(results))
     print(f"wrote the tuned policies into {heads / CONFIG_NAME}")
     return 0
+
+
+CARD_NAME = "README.md"
+CARD_BEGIN, CARD_END = "<!-- hispec-tune: begin -->", "<!-- hispec-tune: end -->"
+
+
+def update_model_card(heads: Path) -> None:
+    """Write the adapter's tuned policies (every dtype in its config) into its model card, replacing
+    what an earlier ``hispec-tune`` wrote there; an adapter without a card is left without one."""
+    from ..files import write_text
+
+    card = heads / CARD_NAME
+    if not card.is_file():
+        return
+    text = card.read_text()
+    if CARD_BEGIN in text and CARD_END in text:
+        text = text[: text.index(CARD_BEGIN)].rstrip("\n") + text[text.index(CARD_END) + len(CARD_END):]
+    config = HiSpecAdapterConfig.from_pretrained(heads)
+    section = card_section(config.policy, config.num_hidden_layers)
+    write_text(card, text.rstrip("\n") + "\n\n" + section)
+
+
+def card_section(policies: dict, num_layers: int) -> str:
+    """The model card's tuned-policy section: per dtype, the chosen policies and what they measured."""
+    lines = [CARD_BEGIN, "## Tuned decoding policy (`hispec-tune`)", "",
+             "Used by default when these heads decode in that dtype (explicit arguments override it).", "",
+             "| dtype | `hispec` policy | `self_spec` policy | measured (calibration prompts, batch 1) |",
+             "|---|---|---|---|"]
+    for dtype, tuned in sorted(policies.items()):
+        m = tuned.get("measurements", {})
+        measured = {r["config"]: r["measured_tokens_per_second"] for r in m.get("confirmed", [])}
+        speed = "–"
+        if m.get("chosen") in measured and measured.get("autoregressive"):
+            tps, ar = measured[m["chosen"]], measured["autoregressive"]
+            speed = (f"{tps:.1f} tok/s against {ar:.1f} for plain decoding ({tps / ar:.2f}x; "
+                     f"{m['prompts']} prompts, {m['max_new_tokens']} new tokens, {m['tuned_on']})")
+        lines.append(f"| {dtype} | {_policy_text(tuned['hispec'], num_layers)} | {_policy_text(tuned['self_spec'], num_layers)} | {speed} |")
+    thresholds = {d: t["hispec"].get("batch_thresholds", {}) for d, t in sorted(policies.items())}
+    if any(thresholds.values()):
+        lines += ["", "Batch-aware: at batch size B a drafted token needs at least this acceptance "
+                  "(1.5: no speculation): " + "; ".join(
+                      f"{d}: " + ", ".join(f"B={b} {t[b]:g}" for b in sorted(t, key=int)) for d, t in thresholds.items() if t)]
+    return "\n".join([*lines, CARD_END]) + "\n"
+
+
+def _policy_text(policy: dict, num_layers: int) -> str:
+    """A policy as one line: exits, maxima, gates."""
+    if policy.get("draft_threshold", 0) > 1:
+        return "no speculation (plain decoding)"
+    text = f"L_d {policy['draft_layer']}"
+    if policy.get("verify_layer", num_layers) < num_layers:
+        text += f", L_i {policy['verify_layer']}, k_d ≤ {policy['num_draft']}, N_i ≤ {policy['window']}"
+        gates = f"τ_d {policy.get('draft_threshold', 0):g}, τ_v {policy.get('verify_threshold', 0):g}"
+    else:  # self_spec, or hispec without its middle level
+        text += (", no middle level" if "verify_layer" in policy else "") + f", k ≤ {policy['num_draft']}"
+        gates = f"τ_d {policy.get('draft_threshold', 0):g}"
+    return f"{text}, {gates}"
 
 
 def report_markdown(results: dict) -> str:

@@ -87,14 +87,16 @@ def predict(candidate: Candidate, traces: list[Trace], costs: CostModel, num_lay
     return {"tokens_per_second": tokens / seconds, "seconds": seconds, "tokens": tokens}
 
 
-def batch_thresholds(costs: CostModel, num_layers: int, cap: float) -> dict[str, float]:
-    """Per batch size, the acceptance at which one more row per step pays: the extra row's cost
+def batch_thresholds(costs: CostModel, num_layers: int, cap: float, draft_layer: int) -> dict[str, float]:
+    """Per batch size, the acceptance at which drafting one more token per step pays: what the token
+    adds (its row in the full pass, and its sequence's share of the batch's draft pass to ``draft_layer``)
     over the cost per token of a plain step; above ``cap`` (what the exits reach) speculation stops."""
     out, floor = {"1": 0.0}, 0.0
     for b in SEQS[1:]:
         step = costs.full_step(num_layers, b)
         marginal = costs.full_step(num_layers, b + 1) - step
-        floor = max(floor, marginal / (step / b))  # never lower in a bigger batch (timing noise aside)
+        draft = (costs.band(0, draft_layer, b, b) + costs.exit(draft_layer, b)) / b
+        floor = max(floor, (marginal + draft) / (step / b))  # never lower in a bigger batch (timing noise aside)
         out[str(b)] = round(floor, 3) if floor <= cap else SPECULATION_OFF
     return out
 
@@ -133,12 +135,12 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
     chosen = max(best_hispec, key=lambda c: confirmed[c.label()])
     chosen_self = best_self
     cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
-    thresholds = batch_thresholds(costs, n, cap)
+    thresholds = batch_thresholds(costs, n, cap, chosen.policy.draft_layer)
     rows = [{"config": c.label(), "predicted_tokens_per_second": round(predicted[c.label()]["tokens_per_second"], 2),
              "measured_tokens_per_second": round(confirmed[c.label()], 2)} for c in [*best_hispec, best_self, paper]]
     rows.append({"config": "autoregressive", "predicted_tokens_per_second": round(ar_predicted, 2),
                  "measured_tokens_per_second": round(confirmed["autoregressive"], 2)})
-    report = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "confirmed": rows,
+    report = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "confirmed": rows, "chosen": chosen.label(),
               "top_predicted": [{"config": c.label(), **{k: round(v, 3) for k, v in s.items()}} for c, s in scored[:10]],
               "costs": costs.to_dict(), "precision_at_0.9": cap, "tuned_on": time.strftime("%Y-%m-%d")}
     self_spec = {k: v for k, v in _policy_dict(chosen_self.policy).items() if k not in ("verify_layer", "window",
