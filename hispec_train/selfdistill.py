@@ -220,6 +220,10 @@ def generate(cfg: SelfDistillConfig) -> Path:
             raise HiSpecError(f"--resume: the prompts of {cfg.prompts} changed since the run began (job ids would "
                               f"point at other prompts); start a new data set")
     jobs = [j for j in plan if j.job not in done]
+    if cfg.resume and (written >= cfg.max_tokens or not jobs):  # complete: leave it as it is, manifest included
+        logger.info("%s is complete: %d new tokens (cap %d), %d prompts left; nothing to do", out, written,
+                    cfg.max_tokens, len(jobs))
+        return out
     model = HiSpecModel.from_pretrained(cfg.base, heads="none", dtype=cfg.dtype)
     tok = model.tokenizer
     if tok is None:

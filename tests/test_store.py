@@ -76,6 +76,10 @@ def test_selfdistill_stops_at_the_token_cap_and_resumes(trainable_base, prompt_f
     jobs = [r["job"] for r in second]
     assert len(jobs) == len(set(jobs)) > len(first)  # nothing written twice
     assert {r["job"]: r["input_ids"] for r in first}.items() <= {r["job"]: r["input_ids"] for r in second}.items()
+    files = lambda: {f.name: (f.stat().st_ino, f.stat().st_mtime_ns, f.read_bytes()) for f in out.iterdir()}  # noqa: E731
+    before = files()
+    generate(_distill_cfg(trainable_base, prompt_file, out, max_tokens=200, resume=True))  # complete: a no-op
+    assert files() == before, "resuming a complete data set rewrites nothing"
     with pytest.raises(HiSpecError, match="temperature"):
         generate(_distill_cfg(trainable_base, prompt_file, out, temperature=0.5, resume=True))
     with pytest.raises(HiSpecError, match="not empty"):
