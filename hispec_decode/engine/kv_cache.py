@@ -58,9 +58,9 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V ``[1, n_kv, T, d]`` at ``slots`` (T of them)."""
-        pool = self.keys[layer]
-        self.keys[layer][:, slots] = k[0].to(pool.dtype)  # a float32 pool (batch-invariant mode) keeps bf16 exactly
-        self.values[layer][:, slots] = v[0].to(pool.dtype)
+        keys, values = self.keys[layer], self.values[layer]
+        keys[:, slots] = k[0].to(keys.dtype)  # a float32 pool (batch-invariant mode) keeps bf16 exactly
+        values[:, slots] = v[0].to(values.dtype)
 
     def read(self, layer: int, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V at ``slots`` as ``[1, n_kv, S, d]`` each."""
