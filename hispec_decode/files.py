@@ -181,10 +181,12 @@ def save_figure(fig, path: str | os.PathLike) -> None:
 
 
 def check_writable(directory: str | os.PathLike, what: str) -> None:
-    """Fail at once (not after minutes of work) when ``directory`` cannot be created or written."""
+    """Fail at once (not after minutes of work) when ``directory`` cannot be created or written.
+    Directories it had to create for the probe are removed again: a check leaves nothing behind."""
     from .errors import HiSpecError
 
     directory = Path(directory)
+    created = [p for p in (directory, *directory.parents) if not p.exists()]
     try:
         directory.mkdir(parents=True, exist_ok=True)
         clean_stale(directory / "probe")
@@ -193,3 +195,7 @@ def check_writable(directory: str | os.PathLike, what: str) -> None:
         probe.unlink()
     except OSError as exc:
         raise HiSpecError(f"{what} {directory} is not writable ({exc.strerror or exc})") from exc
+    finally:
+        for path in created:  # deepest first
+            with contextlib.suppress(OSError):
+                path.rmdir()

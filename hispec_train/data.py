@@ -42,6 +42,14 @@ class PackedData:
     records_skipped: int
 
 
+def check_dataset(dataset: str) -> None:
+    """The data set's path exists (checked before the base is loaded)."""
+    path = Path(dataset)
+    local = dataset.startswith((".", "/", "~")) or path.suffix.lower() in (".json", ".jsonl", ".parquet", ".txt")
+    if dataset != SHAREGPT_NAME and local and not path.exists():
+        raise HiSpecError(f"dataset {dataset} not found (no such file or directory)")
+
+
 def load_records(dataset: str) -> tuple[list[dict[str, Any]], int]:
     """Raw records of a data set (see the module docstring) and how many were skipped."""
     if is_selfdistilled(dataset):

@@ -32,13 +32,14 @@ from tqdm.auto import tqdm
 
 from hispec_decode.data.prompts import encode_prompt, evaluation_prompts, humaneval_problems, sharegpt_first_turns
 from hispec_decode.errors import HiSpecError
-from hispec_decode.files import check_writable, remove_tree, write_text
+from hispec_decode.files import check_writable, is_temporary, remove_tree, write_text
 from hispec_decode.tools.cli import add_debug_arg, positive_int, run_cli
+
+from .selfdistill_shards import Shard, check_shards, next_index, write_shard
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "hispec_selfdistill.json"
-SHARD_PATTERN = "shard-{:05d}.parquet"
 PROMPT_SOURCES = ("sharegpt", "humaneval")
 RESUME_KEYS = ("base", "dtype", "prompts", "max_new_tokens", "temperature", "top_p", "seed", "max_prompt_tokens")
 
@@ -149,92 +150,78 @@ def plan_digest(jobs: list[Job]) -> str:
     return h.hexdigest()[:16]
 
 
-def shard_paths(out: Path) -> list[Path]:
-    return sorted(out.glob("shard-*.parquet"))
-
-
-def done_jobs(out: Path) -> tuple[set[int], int]:
-    """Jobs already written, and their new tokens (read from the shards)."""
-    import pyarrow.parquet as pq
-
-    done, tokens = set(), 0
-    for path in shard_paths(out):
-        table = pq.read_table(path, columns=["job", "new_tokens"])
-        done.update(table.column("job").to_pylist())
-        tokens += sum(table.column("new_tokens").to_pylist())
-    return done, tokens
-
-
-def check_out_dir(cfg: SelfDistillConfig) -> None:
+def check_out_dir(cfg: SelfDistillConfig, digest: str) -> tuple[dict[str, Any] | None, list[Shard]]:
+    """What ``--out`` holds, checked before anything is loaded, generated or removed: the manifest of
+    the run to resume (None for a new data set) and its shards as found on disk."""
     out = Path(cfg.out)
     manifest = out / MANIFEST_NAME
     if cfg.resume and cfg.overwrite:
         raise HiSpecError("--resume and --overwrite exclude each other")
+    if out.exists() and not out.is_dir():
+        raise HiSpecError(f"--out {out} is a file, not a directory")
     if cfg.resume:
         if not manifest.is_file():
             raise HiSpecError(f"--resume: {out} holds no self-distilled data set ({MANIFEST_NAME} missing)")
         try:
-            before = json.loads(manifest.read_text())["config"]
-        except (OSError, ValueError, KeyError) as exc:
+            before = json.loads(manifest.read_text())
+            config = before["config"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise HiSpecError(f"--resume: {manifest} is damaged ({exc})") from exc
-        changed = [k for k in RESUME_KEYS if before.get(k) != getattr(cfg, k)]
+        changed = [k for k in RESUME_KEYS if config.get(k) != getattr(cfg, k)]
         if changed:
             raise HiSpecError(f"--resume: {', '.join(changed)} differ from the run being resumed "
-                              f"({', '.join(f'{k}={before.get(k)!r}' for k in changed)})")
-    elif out.exists() and any(out.iterdir()):
+                              f"({', '.join(f'{k}={config.get(k)!r}' for k in changed)})")
+        if before.get("plan_digest") not in (None, digest):
+            raise HiSpecError(f"--resume: the prompts of {cfg.prompts} changed since the run began (job ids would "
+                              f"point at other prompts); start a new data set")
+        return before, check_shards(out, before.get("shards"))
+    if out.is_dir() and any(not is_temporary(p.name) for p in out.iterdir()):
         if not cfg.overwrite:
             raise HiSpecError(f"{out} is not empty: pass --resume to continue it or --overwrite to start again")
         if not manifest.is_file():
             raise HiSpecError(f"--overwrite: {out} is not a self-distilled data set; refusing to delete it")
-        remove_tree(out)
-    out.mkdir(parents=True, exist_ok=True)
     check_writable(out, "--out")
-
-
-def write_shard(out: Path, index: int, records: list[dict[str, Any]]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from hispec_decode.files import atomic_file
-
-    with atomic_file(out / SHARD_PATTERN.format(index)) as tmp:
-        table = pa.Table.from_pylist(records)
-        ids = table.schema.get_field_index("input_ids")
-        table = table.set_column(ids, "input_ids", table.column(ids).cast(pa.list_(pa.int32())))
-        pq.write_table(table, tmp, compression="zstd")
+    return None, []
 
 
 def generate(cfg: SelfDistillConfig) -> Path:
-    """Answer prompts until ``max_tokens`` new tokens are written (see the module docstring)."""
+    """Answer prompts until ``max_tokens`` new tokens are written (see the module docstring).
+
+    Everything is checked (arguments, prompt sources, ``--out``, the model) before ``--overwrite``
+    removes the old data set or anything is written."""
     from hispec_decode import HiSpecModel
     from hispec_decode.config import EngineConfig
 
+    if not 0 < cfg.top_p <= 1 or not cfg.temperature > 0:
+        raise HiSpecError("--temperature must be > 0 and --top-p in (0, 1]")
     out = Path(cfg.out)
-    check_out_dir(cfg)
-    done, written = done_jobs(out) if cfg.resume else (set(), 0)
     plan = plan_jobs(collect_prompts(cfg.prompts), cfg.seed)
     digest = plan_digest(plan)
-    if cfg.resume:
-        before = json.loads((out / MANIFEST_NAME).read_text()).get("plan_digest")
-        if before is not None and before != digest:
-            raise HiSpecError(f"--resume: the prompts of {cfg.prompts} changed since the run began (job ids would "
-                              f"point at other prompts); start a new data set")
+    before, shards = check_out_dir(cfg, digest)
+    done = {j for s in shards for j in s.jobs}
+    written = sum(s.new_tokens for s in shards)
     jobs = [j for j in plan if j.job not in done]
-    if cfg.resume and (written >= cfg.max_tokens or not jobs):  # complete: leave it as it is, manifest included
+    complete = written >= cfg.max_tokens or not jobs
+    if before is not None and complete and before.get("shards") == [s.entry() for s in shards]:
         logger.info("%s is complete: %d new tokens (cap %d), %d prompts left; nothing to do", out, written,
-                    cfg.max_tokens, len(jobs))
+                    cfg.max_tokens, len(jobs))  # left as it is, manifest included
         return out
     model = HiSpecModel.from_pretrained(cfg.base, heads="none", dtype=cfg.dtype)
     tok = model.tokenizer
     if tok is None:
         raise HiSpecError("self-distillation needs the base's tokenizer")
+    if cfg.overwrite:  # only now that everything checked out
+        remove_tree(out)
+    out.mkdir(parents=True, exist_ok=True)
     per_seq = -(-(cfg.max_prompt_tokens + cfg.max_new_tokens) // 16)
     engine = model.serve(method="autoregressive", max_new_tokens=cfg.max_new_tokens,
                          engine_config=EngineConfig(num_blocks=per_seq * cfg.batch_size + 1))
     manifest = {"config": asdict(cfg), "base": model.base_name, "jobs_planned": len(plan), "plan_digest": digest}
+    if before is not None:
+        manifest["skipped_long_prompts"] = before.get("skipped_long_prompts", 0)
     logger.info("%d answers to write (%d done, %d new tokens so far)", len(jobs), len(done), written)
 
-    shard = len(shard_paths(out))
+    index = next_index(out, before.get("shards") if before else None)
     pending: dict[int, Job] = {}
     records: list[dict[str, Any]] = []
     skipped = 0
@@ -243,11 +230,11 @@ def generate(cfg: SelfDistillConfig) -> Path:
     bar = tqdm(total=cfg.max_tokens, initial=min(written, cfg.max_tokens), desc="self-distilling", unit="tok")
 
     def flush() -> None:
-        nonlocal shard, records, last_flush
+        nonlocal index, records, last_flush
         if records:
-            write_shard(out, shard, records)
-            shard, records = shard + 1, []
-        manifest.update(new_tokens=written, shards=shard, skipped_long_prompts=skipped,
+            shards.append(write_shard(out, index, records))
+            index, records = index + 1, []
+        manifest.update(new_tokens=written, shards=[s.entry() for s in shards], skipped_long_prompts=skipped,
                         updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
         last_flush = time.monotonic()
@@ -268,13 +255,13 @@ def generate(cfg: SelfDistillConfig) -> Path:
             pending[rid] = job
             budget -= cfg.max_new_tokens // 2
 
-    flush()  # the manifest first: a run killed before its first shard can be resumed
+    flush()  # the manifest first (a run killed before its first shard can be resumed); lists what is on disk
     refill()
     while pending and written < cfg.max_tokens:
         for output in engine.step():
             if not output.finished:
                 continue
-            job, seq = pending.pop(output.request_id), engine.sequences[output.request_id]
+            job, seq = pending.pop(output.request_id), engine.release(output.request_id)
             answer = seq.new_tokens
             records.append({
                 "job": job.job, "prompt_index": job.prompt_index, "source": job.source,
@@ -284,7 +271,6 @@ def generate(cfg: SelfDistillConfig) -> Path:
                 "do_sample": job.do_sample, "temperature": cfg.temperature if job.do_sample else 0.0,
                 "top_p": cfg.top_p if job.do_sample else 1.0, "finish_reason": seq.finish_reason,
             })
-            del engine.sequences[output.request_id]
             written += len(answer)
             bar.update(len(answer))
             if len(records) >= cfg.shard_records or time.monotonic() - last_flush > cfg.shard_seconds:
@@ -292,7 +278,7 @@ def generate(cfg: SelfDistillConfig) -> Path:
         refill()
     flush()
     bar.close()
-    logger.info("wrote %d new tokens in %d shards to %s", written, shard, out)
+    logger.info("wrote %d new tokens in %d shards to %s", written, len(shards), out)
     return out
 
 
@@ -325,13 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     fields = {k: v for k, v in vars(args).items() if k != "debug"}
     fields["prompts"] = [s for s in fields["prompts"].split(",") if s]
 
-    def run() -> int:
-        if not 0 < fields["top_p"] <= 1 or not fields["temperature"] > 0:
-            raise HiSpecError("--temperature must be > 0 and --top-p in (0, 1]")
-        generate(SelfDistillConfig(**fields))
-        return 0
-
-    return run_cli("hispec-selfdistill", run, args.debug)
+    return run_cli("hispec-selfdistill", lambda: (generate(SelfDistillConfig(**fields)), 0)[1], args.debug)
 
 
 if __name__ == "__main__":

@@ -34,13 +34,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from hispec_decode.errors import HiSpecError
-from hispec_decode.files import atomic_file, check_writable, remove_tree, write_text
+from hispec_decode.files import atomic_file, check_writable, is_temporary, remove_tree, write_text
 from hispec_decode.models import parse_dtype
 from hispec_decode.tools.cli import add_debug_arg, positive_int, positive_int_list, run_cli
+
+from .data import check_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -190,33 +193,71 @@ def shard_features(inner: torch.nn.Module, seqs: list[list[int]], layers: list[i
     return tensors
 
 
-def check_out(cfg: StoreConfig) -> None:
+def check_out(cfg: StoreConfig) -> StoreManifest | None:
+    """What ``--out`` holds, checked before anything is loaded or removed: the manifest of the store
+    to resume, or None."""
     out = Path(cfg.out)
     if cfg.resume and cfg.overwrite:
         raise HiSpecError("--resume and --overwrite exclude each other")
+    if out.exists() and not out.is_dir():
+        raise HiSpecError(f"--out {out} is a file, not a directory")
     if cfg.resume:
-        StoreManifest.load(out)
-    elif out.exists() and any(out.iterdir()):
+        return StoreManifest.load(out)
+    if out.is_dir() and any(not is_temporary(p.name) for p in out.iterdir()):
         if not cfg.overwrite:
             raise HiSpecError(f"{out} is not empty: pass --resume to continue the store or --overwrite to rebuild it")
         if not (out / STORE_MANIFEST).is_file():
             raise HiSpecError(f"--overwrite: {out} is not a feature store; refusing to delete it")
-        remove_tree(out)
-    out.mkdir(parents=True, exist_ok=True)
     check_writable(out, "--out")
+    return None
+
+
+def _planned_ids(seqs: list[list[int]], shard: list[int]) -> torch.Tensor:
+    return torch.tensor([t for i in shard for t in seqs[i]], dtype=torch.int32)
+
+
+def check_shard(path: Path, expected: torch.Tensor, keys: list[str], listed: bool) -> bool:
+    """Whether the shard at ``path`` is complete and holds exactly the planned tokens: False if it
+    is missing; a damaged shard, or one that holds other tokens, stops the resume with its name."""
+    if not path.is_file():
+        if listed:
+            logger.warning("shard %s listed in %s is missing: it is computed again", path.name, STORE_MANIFEST)
+        return False
+    advice = "delete it and run --resume again to compute it anew"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            missing = sorted(set(keys) - set(f.keys()))
+            ids = f.get_tensor("input_ids") if not missing else None
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise HiSpecError(f"shard {path} is damaged ({type(exc).__name__}: {exc}); {advice}") from exc
+    if missing:
+        raise HiSpecError(f"shard {path} lacks {', '.join(missing)}; {advice}")
+    if not torch.equal(ids, expected):
+        raise HiSpecError(f"shard {path} holds other tokens than this store's plan ({ids.numel()} tokens, "
+                          f"{expected.numel()} planned); {advice}")
+    if not listed:
+        logger.info("shard %s is complete but not in %s (a run killed before updating it): kept", path.name,
+                    STORE_MANIFEST)
+    return True
 
 
 def build_store(cfg: StoreConfig) -> StoreManifest:
-    """Run the base over the data set once and write the store (resumable shard by shard)."""
+    """Run the base over the data set once and write the store (resumable shard by shard).
+
+    Everything (arguments, the data set, ``--out``, the base, the shards already written) is checked
+    before ``--overwrite`` removes the old store or anything is written."""
     from hispec_decode.adapter.fingerprint import compute_fingerprint, fingerprints_match
     from hispec_decode.models import decoder_for, load_base
 
-    check_out(cfg)
+    if sorted(set(cfg.layers)) != cfg.layers:
+        raise HiSpecError(f"--layers must be increasing exits; got {cfg.layers}")
+    check_dataset(cfg.dataset)
+    before = check_out(cfg)
     out = Path(cfg.out)
     loaded = load_base(cfg.base, cfg.dtype)
     decoder = decoder_for(loaded.model, pack_weights=False)
     bad = [l for l in cfg.layers if not 1 <= l < decoder.num_layers]
-    if bad or sorted(set(cfg.layers)) != cfg.layers:
+    if bad:
         raise HiSpecError(f"--layers must be increasing exits in 1..{decoder.num_layers - 1}; got {cfg.layers}")
     hidden = loaded.model.config.hidden_size
     dtype = parse_dtype(cfg.dtype)
@@ -226,33 +267,53 @@ def build_store(cfg: StoreConfig) -> StoreManifest:
                              decoder.num_layers, cfg.dataset, len(seqs),
                              (len(cfg.layers) * hidden + final_size) * dtype.itemsize + 4,
                              {k: getattr(cfg, k) for k in PLAN_KEYS})
-    if cfg.resume:
-        before = StoreManifest.load(out)
+    plan = plan_shards(seqs, cfg)
+    if not plan["train"]:
+        raise HiSpecError(f"--dataset {cfg.dataset}: its {len(seqs)} usable sequence(s) leave no training tokens "
+                          f"once {sum(map(len, plan['eval']))} are held out; use a larger data set")
+    keys = [*(f"hidden.{l}" for l in cfg.layers), "final", "input_ids", "offsets"]
+    done: dict[str, dict[int, dict[str, int | str]]] = {s: {} for s in SPLITS}
+    if before is not None:
         changed = [k for k in ("layers", "dtype", "dataset", "num_sequences", "plan") if getattr(before, k) != getattr(manifest, k)]
         if not fingerprints_match(before.fingerprint, manifest.fingerprint):
             changed.insert(0, "base")
         if changed:
             raise HiSpecError(f"--resume: {', '.join(changed)} differ from the store being resumed (a data set that "
                               f"grew, or other shard settings, need a new store: --overwrite)")
-        manifest.shards = before.shards
-    plan = plan_shards(seqs, cfg)
+        for split in SPLITS:
+            listed = {str(e["file"]) for e in before.shards[split]}
+            for index, shard in enumerate(plan[split]):
+                name = SHARD_NAME.format(split=split, index=index)
+                if check_shard(out / name, _planned_ids(seqs, shard), keys, name in listed):
+                    done[split][index] = {"file": name, "tokens": sum(len(seqs[i]) for i in shard),
+                                          "sequences": len(shard)}
+    if cfg.overwrite:  # only now that everything checked out
+        remove_tree(out)
+    out.mkdir(parents=True, exist_ok=True)
     inner = getattr(loaded.model, loaded.model.base_model_prefix)
     total = sum(len(seqs[i]) for split in SPLITS for shard in plan[split] for i in shard)
-    done = sum(manifest.tokens(s) for s in SPLITS)
-    bar = tqdm(total=total, initial=done, desc="feature store", unit="tok")
+
+    def save() -> None:
+        manifest.shards = {split: [done[split][i] for i in sorted(done[split])] for split in SPLITS}
+        manifest.save(out)
+
+    save()  # the manifest first, listing what is on disk: a run killed before its first shard resumes
+    bar = tqdm(total=total, initial=sum(manifest.tokens(s) for s in SPLITS), desc="feature store", unit="tok")
     for split in SPLITS:
         for index, shard in enumerate(plan[split]):
-            if index < len(manifest.shards[split]):
+            if index in done[split]:
                 continue  # written before a resume
             name = SHARD_NAME.format(split=split, index=index)
+            if (out / name).exists():
+                raise HiSpecError(f"refusing to overwrite {out / name}, which this run did not write")
             tensors = shard_features(inner, [seqs[i] for i in shard], cfg.layers, cfg.batch_tokens, dtype, decoder.device)
             with atomic_file(out / name) as tmp:
                 save_file(tensors, str(tmp), metadata={"format": "pt"})
             n = int(tensors["input_ids"].numel())
-            manifest.shards[split].append({"file": name, "tokens": n, "sequences": len(shard)})
-            manifest.save(out)
+            done[split][index] = {"file": name, "tokens": n, "sequences": len(shard)}
+            save()
             bar.update(n)
-    manifest.save(out)
+    save()
     bar.close()
     logger.info("store %s: %d train / %d held-out tokens, %d bytes per token", out, manifest.tokens("train"),
                 manifest.tokens("eval"), manifest.bytes_per_token)

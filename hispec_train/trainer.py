@@ -29,8 +29,9 @@ from hispec_decode.models import DecoderModel, decoder_for, load_base
 
 from .checkpoint import CHECKPOINT_DIR, checkpoint_step, load_heads, load_optimizer, save_checkpoint
 from .config import TrainConfig
-from .data import PackedData, build_dataset
+from .data import PackedData, build_dataset, check_dataset
 from .distill import Agreement, LossConfig, agreement, distillation_loss, expected_accepted
+from .store import STORE_MANIFEST
 from .store_data import FeatureBatch, FeatureStore
 from .report import EVAL_NAME, PLOT_NAME, write_eval_report
 from .vocab import ExitVocab, exit_vocabulary
@@ -189,17 +190,26 @@ def check_run_dir(cfg: TrainConfig) -> None:
     check_writable(run_dir, "output_dir")
 
 
+def check_data_source(cfg: TrainConfig) -> None:
+    """The feature store or the data set's file exists (checked before anything is loaded or written)."""
+    if cfg.features:
+        if not (Path(cfg.features) / STORE_MANIFEST).is_file():
+            raise HiSpecError(f"features: {cfg.features} is not a feature store ({STORE_MANIFEST} missing). Build it "
+                              f"first: hispec-store --dataset DATA --out {cfg.features} --layers "
+                              f"{','.join(map(str, cfg.heads_layers))} (DATA: e.g. data/selfdistill-smollm2), or "
+                              f"train without a store: --dataset DATA")
+    else:
+        check_dataset(cfg.dataset)
+
+
 def train(cfg: TrainConfig) -> Path:
     run_dir = Path(cfg.output_dir)
-    check_run_dir(cfg)  # before minutes of loading
+    check_data_source(cfg)  # before minutes of loading, and before anything is created
+    check_run_dir(cfg)
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=cfg.mixed_precision,
                               log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=str(run_dir))
     set_seed(cfg.seed)
     main = accelerator.is_main_process
-    if main and cfg.overwrite:  # start again: the old run's outputs go before anything new is written
-        for name in (CHECKPOINT_DIR, EVAL_NAME, PLOT_NAME):
-            remove_tree(run_dir / name)
-    accelerator.wait_for_everyone()
 
     # the frozen base, its exit machinery, and the data --------------------------------------
     stage = zero_stage(accelerator)
@@ -211,6 +221,10 @@ def train(cfg: TrainConfig) -> Path:
     cfg.check_layers(decoder.num_layers)
     inner = getattr(model, model.base_model_prefix)
     data = TrainingData(cfg, loaded.tokenizer, inner, compute_fingerprint(loaded.model))
+    if main and cfg.overwrite:  # start again: the old run's outputs go once the base and the data loaded
+        for name in (CHECKPOINT_DIR, EVAL_NAME, PLOT_NAME):
+            remove_tree(run_dir / name)
+    accelerator.wait_for_everyone()
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text(run_dir / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=2, sort_keys=True))

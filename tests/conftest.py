@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
 
-from hispec_decode import HiSpecModel
+from hispec_decode import HiSpecModel, files
 
 VOCAB = 101
 LAYERS = 6
@@ -137,3 +141,51 @@ def make_run_dir(run_dir: Path, base: Path, scale: float = 0.0, step: int = 3) -
     (run_dir / CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), sort_keys=True))
     save_checkpoint(run_dir, adapter, None, {"step": step})
     return run_dir
+
+
+# -- killed writers: SIGKILL right before the k-th file system operation, for every k ----------
+
+FS_OPERATIONS = [(os, "replace"), (os, "chmod"), (shutil, "rmtree"), (Path, "mkdir"), (Path, "write_text"),
+                 (Path, "write_bytes"), (Path, "unlink"), (Path, "rmdir"), (files, "_exchange")]
+
+
+def killed_at(k: int, write: Callable[[], None], extra: list[tuple[object, str]] = ()) -> bool:
+    """Run ``write`` in a forked child that SIGKILLs itself right before its k-th file system
+    operation (:data:`FS_OPERATIONS` plus ``extra``: writers a module imported by name); True if it
+    was killed, False if it finished (it must not fail otherwise)."""
+    pid = os.fork()
+    if pid == 0:  # the child: count operations, die at the k-th
+        try:
+            torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork (oneDNN would hang)
+            count = [0]
+            for owner, name in [*FS_OPERATIONS, *extra]:
+                original = getattr(owner, name)
+
+                def hooked(*args, _original=original, **kwargs):
+                    count[0] += 1
+                    if count[0] == k:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return _original(*args, **kwargs)
+                setattr(owner, name, hooked)
+            write()
+        except BaseException:  # noqa: BLE001 - report any failure as exit status 1
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        assert os.WTERMSIG(status) == signal.SIGKILL
+        return True
+    assert os.WEXITSTATUS(status) == 0, f"the write failed (not killed) at k={k}"
+    return False
+
+
+def every_kill_point(write: Callable[[], None], check: Callable[[], None],
+                     extra: list[tuple[object, str]] = ()) -> int:
+    """Kill ``write`` at its 1st, 2nd, ... file system operation, calling ``check`` after each kill,
+    until it finishes unkilled; returns the number of kill points."""
+    k = 1
+    while killed_at(k, write, extra):
+        check()
+        k += 1
+        assert k < 400, "the write never finished"
+    return k - 1

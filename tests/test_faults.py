@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -23,42 +21,10 @@ from hispec_train import checkpoint
 from hispec_train.checkpoint import checkpoint_step, save_checkpoint
 from hispec_train.export import export
 
-from conftest import make_run_dir, save_tiny
+from conftest import every_kill_point, make_run_dir, save_tiny
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-
-FS_OPERATIONS = [(os, "replace"), (os, "chmod"), (shutil, "rmtree"), (Path, "mkdir"), (Path, "write_text"),
-                 (Path, "write_bytes"), (Path, "unlink"), (files, "_exchange"), (hispec_adapter, "save_file"),
-                 (checkpoint, "save_file")]
-
-
-def _killed_at(k: int, write: Callable[[], None]) -> bool:
-    """Run ``write`` in a child that SIGKILLs itself before its k-th file system operation;
-    True if it was killed, False if it finished (it must not fail otherwise)."""
-    pid = os.fork()
-    if pid == 0:  # the child: count operations, die at the k-th
-        try:
-            count = [0]
-            for owner, name in FS_OPERATIONS:
-                original = getattr(owner, name)
-
-                def hooked(*args, _original=original, **kwargs):
-                    count[0] += 1
-                    if count[0] == k:
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    return _original(*args, **kwargs)
-                setattr(owner, name, hooked)
-            write()
-        except BaseException:  # noqa: BLE001 - report any failure as exit status 1
-            os._exit(1)
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        assert os.WTERMSIG(status) == signal.SIGKILL
-        return True
-    assert os.WEXITSTATUS(status) == 0, f"the write failed (not killed) at k={k}"
-    return False
-
+EXTRA = [(hispec_adapter, "save_file"), (checkpoint, "save_file")]  # writers imported by name
 
 def _tree(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
@@ -77,15 +43,6 @@ def swap(request, monkeypatch):
     return request.param
 
 
-def _every_kill_point(write: Callable[[], None], check: Callable[[], None]) -> int:
-    k = 1
-    while _killed_at(k, write):
-        check()
-        k += 1
-        assert k < 200, "the write never finished"
-    return k - 1
-
-
 def test_killed_export_keeps_the_previous_export(trainable_base, tmp_path):
     old_run = make_run_dir(tmp_path / "old", trainable_base, scale=0.01)
     new_run = make_run_dir(tmp_path / "new", trainable_base, scale=0.02)
@@ -100,7 +57,7 @@ def test_killed_export_keeps_the_previous_export(trainable_base, tmp_path):
         HiSpecAdapter.from_pretrained(out)  # a reader puts back a previous version the fallback had moved aside
         assert out.is_dir() and _tree(out) in (old, new), "the export is the old one or the new one, never a mix"
 
-    kills = _every_kill_point(lambda: export(new_run, out), check)
+    kills = every_kill_point(lambda: export(new_run, out), check, EXTRA)
     assert kills >= 8
     export(new_run, out)  # the next run cleans up and succeeds
     assert _tree(out) == new and not _leftovers(out.parent)
@@ -124,7 +81,7 @@ def test_killed_checkpoint_save_keeps_the_previous_checkpoint(trainable_base, tm
         if step == 6:
             assert all(torch.equal(saved[k], new[k]) for k in new)
 
-    assert _every_kill_point(lambda: save_checkpoint(run, adapter, optimizer, {"step": 6}), check) >= 6
+    assert every_kill_point(lambda: save_checkpoint(run, adapter, optimizer, {"step": 6}), check, EXTRA) >= 6
     save_checkpoint(run, adapter, optimizer, {"step": 6})
     assert checkpoint_step(run) == 6 and not _leftovers(run)
 
@@ -147,7 +104,7 @@ def test_killed_first_conversion_leaves_nothing_that_looks_complete(tmp_path):
         assert complete or not (target / loading.CACHE_MARKER).exists()
         assert not _leftovers(target.parent), "cache_complete cleaned up what the killed writer left"
 
-    assert _every_kill_point(write, check) >= 6
+    assert every_kill_point(write, check, EXTRA) >= 6
     shutil.rmtree(target, ignore_errors=True)
     assert loading.cached_conversion(target, convert) == target
     assert loading.cache_complete(target) and loading.load_base(str(target)).model is not None

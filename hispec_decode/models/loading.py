@@ -135,10 +135,20 @@ def _legacy_complete(target: Path) -> bool:
     return True
 
 
+GGUF_MAGIC = b"GGUF"
+
+
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, object]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise HiSpecError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError, EOFError) as exc:  # a truncated or unsupported GGUF
+        raise HiSpecError(f"cannot read the GGUF file {path}: {type(exc).__name__}: {exc}") from exc
     check_supported(config.model_type)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     # The weights are plain de-quantized tensors now; drop the GGUF quantizer so the model

@@ -1,0 +1,258 @@
+"""The data pipeline loses nothing: every argument and input is checked before ``--overwrite``
+removes anything, a resume checks the shards on disk against the manifest (missing ones are
+generated again, none is ever overwritten, damaged ones stop it with one line), a failed start
+creates nothing, and a run SIGKILLed at any file system step resumes to the same data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from hispec_decode import HiSpecError, HiSpecModel
+from hispec_train import selfdistill, store
+from hispec_train.selfdistill import MANIFEST_NAME, SelfDistillConfig, generate
+from hispec_train.store import STORE_MANIFEST, StoreConfig, StoreManifest, build_store
+
+from conftest import every_kill_point, make_run_dir
+
+PROMPTS = [f"What is {i} plus {i + 1}?" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+def _distill_cfg(base: Path, prompts: Path, out: Path, **kw) -> SelfDistillConfig:
+    keys = dict(out=str(out), base=str(base), dtype="float32", prompts=[str(prompts)], max_tokens=10**6,
+                max_new_tokens=8, batch_size=3, shard_records=2)
+    return SelfDistillConfig(**(keys | kw))
+
+
+def _store_cfg(base: Path, dataset: Path, out: Path, **kw) -> StoreConfig:
+    keys = dict(base=str(base), dtype="float32", eval_sequences=2, shard_tokens=120, batch_tokens=200)
+    return StoreConfig(str(dataset), str(out), kw.pop("layers", [1, 3]), **(keys | kw))
+
+
+@pytest.fixture(scope="module")
+def distilled(trainable_base, prompt_file, tmp_path_factory) -> Path:
+    return generate(_distill_cfg(trainable_base, prompt_file, tmp_path_factory.mktemp("sd") / "data"))
+
+
+@pytest.fixture(scope="module")
+def features(distilled, trainable_base, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("store") / "features"
+    build_store(_store_cfg(trainable_base, distilled, out))
+    return out
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _jobs(out: Path) -> list[int]:
+    return [j for p in sorted(out.glob("shard-*.parquet")) for j in pq.read_table(p, columns=["job"])["job"].to_pylist()]
+
+
+def _manifest_is_the_disk(out: Path) -> None:
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    disk = [{"file": p.name, "records": pq.read_metadata(p).num_rows,
+             "new_tokens": sum(pq.read_table(p, columns=["new_tokens"])["new_tokens"].to_pylist())}
+            for p in sorted(out.glob("shard-*.parquet"))]
+    assert manifest["shards"] == disk
+    assert manifest["new_tokens"] == sum(d["new_tokens"] for d in disk)
+
+
+def _one_error_line(capsys, *words: str) -> None:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error" in line.lower()]  # progress bars aside
+    assert len(lines) == 1 and ": error: " in lines[0] and "Traceback" not in err, err
+    for w in words:
+        assert w in lines[0], lines
+
+
+# -- --overwrite checks everything before it removes anything ---------------------------------
+
+def test_store_overwrite_with_bad_arguments_keeps_the_store(features, distilled, trainable_base, tmp_path, capsys):
+    copy = tmp_path / "features"
+    shutil.copytree(features, copy)
+    before = _tree(copy)
+    common = ["--out", str(copy), "--base", str(trainable_base), "--dtype", "float32", "--overwrite"]
+    assert store.main(["--dataset", str(distilled), "--layers", "1,3,99", *common]) == 2
+    _one_error_line(capsys, "--layers")
+    assert store.main(["--dataset", "/nonexistent", "--layers", "1,3", *common]) == 2
+    _one_error_line(capsys, "/nonexistent")
+    assert store.main(["--dataset", str(distilled), "--layers", "3,1", *common]) == 2
+    _one_error_line(capsys, "increasing")
+    assert _tree(copy) == before
+
+
+def test_selfdistill_overwrite_with_bad_arguments_keeps_the_data(distilled, trainable_base, prompt_file, tmp_path,
+                                                                  capsys):
+    copy = tmp_path / "data"
+    shutil.copytree(distilled, copy)
+    before = _tree(copy)
+    common = ["--out", str(copy), "--base", str(trainable_base), "--dtype", "float32", "--overwrite"]
+    assert selfdistill.main([*common, "--prompts", str(tmp_path / "nonexistent.txt")]) == 2
+    _one_error_line(capsys, "nonexistent.txt")
+    assert selfdistill.main([*common, "--prompts", "sharegpt", "--top-p", "1.5"]) == 2
+    _one_error_line(capsys, "--top-p")
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"no model")
+    assert selfdistill.main([*common, "--prompts", str(prompt_file), "--base", str(fake)]) == 2  # the model fails
+    _one_error_line(capsys, "not a GGUF file")
+    assert _tree(copy) == before
+
+
+def test_train_overwrite_with_a_missing_store_keeps_the_run(trainable_base, tmp_path):
+    from hispec_train.config import load_config
+    from hispec_train.trainer import train
+
+    run = make_run_dir(tmp_path / "run", trainable_base)
+    before = _tree(run)
+    cfg = load_config(None, {"base": str(trainable_base), "features": str(tmp_path / "nowhere"), "heads_layers": "1,3",
+                             "output_dir": str(run), "overwrite": "true", "report_to": "none"})
+    with pytest.raises(HiSpecError, match="hispec-store --dataset DATA --out .*nowhere --layers 1,3"):
+        train(cfg)
+    assert _tree(run) == before
+
+
+# -- a failed start creates nothing --------------------------------------------------------------
+
+def test_failed_starts_create_nothing(trainable_base, distilled, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "new" / "sd1"
+    assert selfdistill.main(["--out", str(out), "--prompts", str(tmp_path / "nonexistent.jsonl"),
+                             "--base", str(trainable_base)]) == 2
+    assert not (tmp_path / "new").exists()
+    loads = []
+    monkeypatch.setattr("hispec_decode.models.load_base", lambda *a, **k: loads.append(a) or 1 / 0)
+    assert store.main(["--dataset", "/nonexistent", "--out", str(out), "--layers", "1,3"]) == 2
+    assert not loads and not (tmp_path / "new").exists()  # the path is checked before the model is loaded
+    capsys.readouterr()
+
+
+def test_store_refuses_a_data_set_without_training_tokens(trainable_base, tmp_path):
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"text": "just one short record"}) + "\n")
+    with pytest.raises(HiSpecError, match="no training tokens"):
+        build_store(_store_cfg(trainable_base, one, tmp_path / "st1"))
+    assert not (tmp_path / "st1").exists()
+
+
+def test_generate_refuses_a_file_that_is_not_gguf(tmp_path, capsys):
+    from hispec_decode.tools import generate as generate_cli
+
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"this is no model at all")
+    assert generate_cli.main(["--base", str(fake), "--prompt", "hi"]) == 2
+    _one_error_line(capsys, "not a GGUF file")
+
+
+# -- resumes check the shards on disk against the manifest ------------------------------------
+
+def test_selfdistill_resume_regenerates_a_missing_shard_and_overwrites_none(distilled, trainable_base, prompt_file,
+                                                                            tmp_path):
+    copy = tmp_path / "data"
+    shutil.copytree(distilled, copy)
+    all_jobs = sorted(_jobs(copy))
+    last = sorted(copy.glob("shard-*.parquet"))[-1].name
+    lost = pq.read_table(copy / "shard-00001.parquet")["job"].to_pylist()
+    (copy / "shard-00001.parquet").unlink()
+    kept = {n: b for n, b in _tree(copy).items() if n.startswith("shard-")}
+    generate(_distill_cfg(trainable_base, prompt_file, copy, resume=True))
+    after = _tree(copy)
+    assert all(after[n] == b for n, b in kept.items()), "a resume rewrote a shard it did not write"
+    assert sorted(_jobs(copy)) == all_jobs  # exactly the lost answers came back, once
+    new = [n for n in after if n.startswith("shard-") and n not in kept]
+    assert new and all(n > last for n in new) and "shard-00001.parquet" not in after
+    assert sorted(j for n in new for j in pq.read_table(copy / n)["job"].to_pylist()) == sorted(lost)
+    _manifest_is_the_disk(copy)
+
+
+def test_selfdistill_resume_stops_at_a_damaged_shard(distilled, trainable_base, prompt_file, tmp_path, capsys):
+    copy = tmp_path / "data"
+    shutil.copytree(distilled, copy)
+    damaged = copy / "shard-00002.parquet"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    before = _tree(copy)
+    argv = ["--out", str(copy), "--base", str(trainable_base), "--dtype", "float32", "--prompts", str(prompt_file),
+            "--max-tokens", str(10**6), "--max-new-tokens", "8", "--resume"]
+    assert selfdistill.main(argv) == 2
+    _one_error_line(capsys, "shard-00002.parquet", "damaged")
+    assert _tree(copy) == before
+    damaged.unlink()
+    assert selfdistill.main(argv) == 0  # the advice works: its answers are generated again
+    assert sorted(_jobs(copy)) == sorted(_jobs(distilled))
+    capsys.readouterr()
+
+
+def test_store_resume_keeps_unlisted_complete_shards_and_stops_at_damaged_ones(features, distilled, trainable_base,
+                                                                               tmp_path, capsys):
+    copy = tmp_path / "features"
+    shutil.copytree(features, copy)
+    manifest = json.loads((copy / STORE_MANIFEST).read_text())
+    unlisted = manifest["shards"]["train"].pop()  # as a run killed between the shard and the manifest leaves it
+    (copy / STORE_MANIFEST).write_text(json.dumps(manifest))
+    before = _tree(copy)
+    build_store(_store_cfg(trainable_base, distilled, copy, resume=True))
+    assert {n: b for n, b in _tree(copy).items() if n != STORE_MANIFEST} == \
+        {n: b for n, b in before.items() if n != STORE_MANIFEST}, "no shard was computed again"
+    assert StoreManifest.load(copy).shards == StoreManifest.load(features).shards
+    damaged = copy / unlisted["file"]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    argv = ["--dataset", str(distilled), "--out", str(copy), "--layers", "1,3", "--base", str(trainable_base),
+            "--dtype", "float32", "--eval-sequences", "2", "--shard-tokens", "120", "--batch-tokens", "200", "--resume"]
+    assert store.main(argv) == 2
+    _one_error_line(capsys, unlisted["file"], "damaged")
+
+
+# -- SIGKILL at every file system step, then --resume ------------------------------------------
+
+def test_killed_selfdistill_resumes_to_the_same_data(trainable_base, prompt_file, tmp_path, monkeypatch):
+    import pyarrow.parquet
+
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads="none")  # loaded once, shared by the children
+    monkeypatch.setattr(HiSpecModel, "from_pretrained", classmethod(lambda cls, *a, **k: model))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(PROMPTS[:3]) + "\n")
+    out = tmp_path / "data"
+
+    def write() -> None:
+        generate(_distill_cfg(trainable_base, prompts, out, max_new_tokens=4, batch_size=2,
+                              resume=(out / MANIFEST_NAME).is_file()))
+
+    write()
+    reference = sorted(_jobs(out))
+    assert len(reference) == 6
+
+    def check() -> None:
+        jobs = _jobs(out)
+        assert len(jobs) == len(set(jobs)), "a killed run duplicated an answer"
+        write()  # resume (or start again) to the end
+        assert sorted(_jobs(out)) == reference
+        _manifest_is_the_disk(out)
+        shutil.rmtree(out)
+
+    shutil.rmtree(out)
+    assert every_kill_point(write, check, [(pyarrow.parquet, "write_table")]) >= 10
+
+
+def test_killed_store_resumes_to_the_same_store(distilled, features, trainable_base, tmp_path):
+    out = tmp_path / "features"
+    reference = _tree(features)
+
+    def write() -> None:
+        build_store(_store_cfg(trainable_base, distilled, out, resume=(out / STORE_MANIFEST).is_file()))
+
+    def check() -> None:
+        write()
+        assert _tree(out) == reference
+        shutil.rmtree(out)
+
+    assert every_kill_point(write, check, [(store, "save_file")]) >= 10
