@@ -130,6 +130,15 @@ def chat_ids(model: HiSpecModel, text: str) -> list[int]:
                                                     tokenize=True, return_dict=False))
 
 
+def sse_chunks(server: LiveServer, path: str, body: dict) -> list[dict]:
+    """The ``data:`` objects of a streamed response, in order (without ``[DONE]``)."""
+    status, text = server.request("POST", path, body)
+    assert status == 200, text
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
 # -- the OpenAI client: output equal to transformers ----------------------------------------------
 @pytest.mark.parametrize("method", ["autoregressive", "self_spec", "hispec"])
 def test_openai_client_greedy_equals_generate(chat_model, reference, method):
@@ -194,6 +203,131 @@ def test_stop_strings_and_n(chat_model, reference):
                                               extra_body={"return_token_ids": True})
             assert alone.choices[0].token_ids == c.token_ids
         assert server.metric("hispec_cache_blocks_used") == 0
+    finally:
+        server.close()
+
+
+# -- streamed chunks: nothing before the first token (time to first token as load generators see it)
+def test_stream_sends_role_with_first_text_and_nothing_before(chat_model):
+    """The first chunk of a choice carries its role and its first text, so ``vllm bench serve``
+    (TTFT at the first chunk with choices) measures prefill; a choice that ends without text gets
+    its role in its finishing chunk."""
+    server = LiveServer(chat_model, num_blocks=64)
+    try:
+        full = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=10)
+        text = full.choices[0].message.content
+        assert text
+        for stop, n in ((None, 2), (text[:1], 2)):  # then a stop string that ends both choices before any text
+            body = {"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 10, "n": n, "stream": True,
+                    "stream_options": {"include_usage": True}} | ({"stop": stop} if stop else {})
+            items = [c["choices"][0] for c in sse_chunks(server, CHAT, body) if c["choices"]]
+            assert items[0]["delta"].get("content") or items[0]["finish_reason"]
+            for i in range(n):
+                mine = [c for c in items if c["index"] == i]
+                assert [k for k, c in enumerate(mine) if "role" in c["delta"]] == [0]
+                assert mine[0]["delta"]["role"] == "assistant"
+                assert mine[0]["delta"]["content"] or mine[0]["finish_reason"] == "stop"
+                assert "".join(c["delta"].get("content") or "" for c in mine) == ("" if stop else text)
+
+        body = {"model": MODEL, "prompt": "The sky is", "temperature": 0, "max_tokens": 6, "n": 2, "stream": True}
+        items = [c["choices"][0] for c in sse_chunks(server, TEXT, body) if c["choices"]]
+        for i in range(2):
+            mine = [c for c in items if c["index"] == i]
+            assert mine[0]["text"] or mine[0]["finish_reason"]
+
+        chunks = list(server.client().chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
+                                                              max_tokens=10, n=2, stream=True))
+        for i in range(2):  # the OpenAI client reads the role and the text of the same chunk
+            deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == i]
+            assert deltas[0].role == "assistant" and deltas[0].content
+            assert [d.role for d in deltas[1:]] == [None] * (len(deltas) - 1)
+            assert "".join(d.content or "" for d in deltas) == text
+    finally:
+        server.close()
+
+
+# -- vLLM's request fields (what `vllm bench serve` sends) ------------------------------------------
+def vllm_payloads(prompt: str, max_tokens: int, ignore_eos: bool) -> dict[str, dict]:
+    """The bodies ``vllm bench serve`` posts (openai and openai-chat backends, sampling via its extra body)."""
+    text = {"model": MODEL, "prompt": prompt, "repetition_penalty": 1.0, "max_tokens": max_tokens, "logprobs": None,
+            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
+            "min_p": 0.0}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "temperature": 0.0,
+            "max_completion_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    extra = {"ignore_eos": True} if ignore_eos else {}
+    return {TEXT: text | extra, CHAT: chat | extra}
+
+
+def first(ids: list[int], stops: tuple[int, ...]) -> int:
+    return next(i for i, t in enumerate(ids) if t in stops)
+
+
+def test_vllm_bench_payloads_and_top_level_ignore_eos(chat_model, reference):
+    """The server's EOS set holds a token greedy decoding reaches early: without ``ignore_eos`` each
+    request stops there; with vLLM's top-level ``ignore_eos`` it runs to max_tokens."""
+    prompt, n = "The sky is", 12
+    ids = {TEXT: chat_model.tokenizer(prompt)["input_ids"], CHAT: chat_ids(chat_model, prompt)}
+    want = {path: hf_greedy(reference, p, n) for path, p in ids.items()}
+    eos = (want[TEXT][2], want[CHAT][2])
+    server = LiveServer(chat_model, num_blocks=64, eos_token_id=eos)
+    try:
+        for ignore_eos in (False, True):
+            for path, body in vllm_payloads(prompt, n, ignore_eos).items():
+                chunks = sse_chunks(server, path, body)
+                reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+                usage = chunks[-1]["usage"]
+                if ignore_eos:
+                    assert (usage["completion_tokens"], reasons[-1]) == (n, "length"), path
+                else:
+                    assert usage["completion_tokens"] <= 3 and reasons[-1] == "stop", path
+            body = vllm_payloads(prompt, n, ignore_eos)[TEXT] | {"stream": False, "return_token_ids": True}
+            del body["stream_options"]
+            code, answer = server.request("POST", TEXT, body)
+            assert code == 200, answer
+            got = answer["choices"][0]["token_ids"]
+            assert got == (want[TEXT] if ignore_eos else want[TEXT][: first(want[TEXT], eos) + 1])
+
+        # vLLM's stop_token_ids join the EOS set (with ignore_eos: they alone end the choice)
+        stop_id = want[TEXT][6]
+        for ignore_eos in (False, True):
+            end = first(want[TEXT], (stop_id,) if ignore_eos else (stop_id, *eos))
+            body = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": n, "stop_token_ids": [stop_id],
+                    "ignore_eos": ignore_eos, "return_token_ids": True}
+            code, answer = server.request("POST", TEXT, body)
+            assert code == 200, answer
+            assert answer["choices"][0]["token_ids"] == want[TEXT][: end + 1]
+            assert answer["choices"][0]["finish_reason"] == "stop"
+
+        # min_tokens is met trivially when EOS cannot end the choice
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "min_tokens": n, "ignore_eos": True}
+        code, answer = server.request("POST", TEXT, body)
+        assert code == 200 and answer["usage"]["completion_tokens"] == n, answer
+        for bad in ({"min_tokens": 4}, {"min_tokens": 4, "ignore_eos": True, "stop": "x"},
+                    {"min_tokens": n + 1, "ignore_eos": True}):
+            code, answer = server.request("POST", TEXT, {"model": MODEL, "prompt": prompt, "max_tokens": n} | bad)
+            assert code == 400 and answer["error"]["param"] == "min_tokens", answer
+    finally:
+        server.close()
+
+
+def test_top_level_top_k_is_hispec_top_k(chat_model):
+    """vLLM's top-level ``top_k`` samples as the ``hispec`` extension's (-1, vLLM's "all", is 0)."""
+    server = LiveServer(chat_model, num_blocks=64)
+    try:
+        def sample(**fields) -> list[int]:
+            body = {"model": MODEL, "prompt": "Once upon", "temperature": 1.0, "max_tokens": 12, "seed": 11,
+                    "return_token_ids": True} | fields
+            code, answer = server.request("POST", TEXT, body)
+            assert code == 200, answer
+            return answer["choices"][0]["token_ids"]
+
+        greedy = sample(temperature=0)
+        assert sample(top_k=1) == sample(hispec={"top_k": 1}) == sample(top_k=1, hispec={"top_k": 1}) == greedy
+        assert sample(top_k=3) == sample(hispec={"top_k": 3})
+        assert sample(top_k=-1) == sample(top_k=0) == sample()
+        body = {"model": MODEL, "prompt": "hi", "top_k": 2, "hispec": {"top_k": 3}}
+        code, answer = server.request("POST", TEXT, body)
+        assert code == 400 and answer["error"]["param"] == "top_k"
     finally:
         server.close()
 
@@ -296,6 +430,25 @@ BAD = {
     "unsupported logprobs": (TEXT, {"model": MODEL, "prompt": "hi", "logprobs": 3}, 400),
     "another method": (TEXT, {"model": MODEL, "prompt": "hi", "hispec": {"method": "self_spec"}}, 400),
     "unknown hispec option": (TEXT, {"model": MODEL, "prompt": "hi", "hispec": {"windwo": 3}}, 422),
+    "unknown field": (TEXT, {"model": MODEL, "prompt": "hi", "foo_bar": 1}, 400),
+    "unknown chat field": (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokns": 4}, 400),
+    "a completions-only field in chat": (CHAT, {"model": MODEL, "messages": MESSAGES, "suffix": "x"}, 400),
+    "repetition_penalty": (TEXT, {"model": MODEL, "prompt": "hi", "repetition_penalty": 1.2}, 400),
+    "min_p": (CHAT, {"model": MODEL, "messages": MESSAGES, "min_p": 0.1}, 400),
+    "min_tokens without ignore_eos": (TEXT, {"model": MODEL, "prompt": "hi", "min_tokens": 2}, 400),
+    "top_k below -1": (TEXT, {"model": MODEL, "prompt": "hi", "top_k": -2}, 422),
+    "ignore_eos twice, differently": (TEXT, {"model": MODEL, "prompt": "hi", "ignore_eos": False,
+                                             "hispec": {"ignore_eos": True}}, 400),
+    "stop_token_ids not ids": (TEXT, {"model": MODEL, "prompt": "hi", "stop_token_ids": ["x"]}, 422),
+    "beam search": (TEXT, {"model": MODEL, "prompt": "hi", "use_beam_search": True}, 400),
+    "include_stop_str_in_output": (TEXT, {"model": MODEL, "prompt": "hi", "include_stop_str_in_output": True}, 400),
+    "skip_special_tokens false": (CHAT, {"model": MODEL, "messages": MESSAGES, "skip_special_tokens": False}, 400),
+    "json response format": (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}},
+                             400),
+    "audio output": (CHAT, {"model": MODEL, "messages": MESSAGES, "modalities": ["text", "audio"]}, 400),
+    "tool_choice required": (CHAT, {"model": MODEL, "messages": MESSAGES, "tool_choice": "required"}, 400),
+    "reasoning_effort": (CHAT, {"model": MODEL, "messages": MESSAGES, "reasoning_effort": "high"}, 400),
+    "verbosity": (CHAT, {"model": MODEL, "messages": MESSAGES, "verbosity": "low"}, 400),
     "malformed JSON": (TEXT, '{"model": "tiny-chat", "prompt": ', 400),
     "not an object": (TEXT, "[1, 2]", 400),
     "body too large": (TEXT, {"model": MODEL, "prompt": "x" * 30_000}, 413),
@@ -321,6 +474,31 @@ def test_api_key(guarded):
     assert guarded.request("GET", "/health", headers={"Authorization": ""})[0] == 200  # not behind the key
     assert guarded.request("GET", "/v1/models")[0] == 200
     assert guarded.client().completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_unknown_fields_are_refused_by_name(guarded):
+    body = {"model": MODEL, "prompt": "hi", "foo_bar": 1, "max_tokens": 2, "baz": None}
+    code, answer = guarded.request("POST", TEXT, body)
+    assert code == 400 and answer["error"]["type"] == "invalid_request_error"
+    assert answer["error"]["param"] == "foo_bar"
+    assert "foo_bar" in answer["error"]["message"] and "baz" in answer["error"]["message"]
+
+
+def test_openai_client_fields_are_accepted(guarded):
+    """Every field of OpenAI's request types that cannot change the output tokens is accepted at its
+    neutral value (metadata, caching and routing hints, text-only formats)."""
+    client = guarded.client()
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=3, temperature=0, top_p=1.0, n=1, seed=1, stop=None,
+        user="u", metadata={"k": "v"}, store=False, service_tier="auto", parallel_tool_calls=False,
+        response_format={"type": "text"}, modalities=["text"], prediction={"type": "content", "content": "hi"},
+        prompt_cache_key="c", safety_identifier="s", frequency_penalty=0, presence_penalty=0, logit_bias={},
+        logprobs=False, tool_choice="none", tools=[], reasoning_effort=None, verbosity=None)
+    assert r.usage.completion_tokens == 3
+    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0, best_of=1, echo=False,
+                                  frequency_penalty=0, presence_penalty=0, logit_bias={}, logprobs=None, n=1, seed=1,
+                                  stop=[], suffix=None, top_p=1, user="u")
+    assert r.usage.completion_tokens == 3
 
 
 def test_full_queue_gets_503(long_base):

@@ -49,6 +49,7 @@ def build_app(model: HiSpecModel, engine: LLMEngine, config: ServerConfig, engin
     server = AsyncEngine(engine, config.max_queue, threaded=engine_thread)
     metrics = ServerMetrics(lambda: server.snapshot, config.model_name, engine.config.method)
     tokenizer, context = model.tokenizer, model.decoder.max_positions
+    default_eos = engine.config.eos_ids(engine.runner.decoder.default_eos_ids())  # what ends a choice unless it says
 
     async def lifespan(app: FastAPI):
         server.start()
@@ -130,6 +131,9 @@ def build_app(model: HiSpecModel, engine: LLMEngine, config: ServerConfig, engin
                 raise ServerError(400, f"the prompt has {len(prompt)} tokens; this model's context holds {context}, "
                                        f"leaving no room to generate", "messages" if chat else "prompt",
                                   code="context_length_exceeded")
+            if req.min_tokens and len(prompt) + req.min_tokens > context:
+                raise ServerError(400, f"the prompt has {len(prompt)} tokens; this model's context holds {context}, "
+                                       f"leaving no room for min_tokens ({req.min_tokens})", "min_tokens")
         stop = req.stop_strings()
         overrides: dict[str, Any] = {
             "max_new_tokens": max_tokens or context - max(len(p) for p in prompts),
@@ -137,8 +141,9 @@ def build_app(model: HiSpecModel, engine: LLMEngine, config: ServerConfig, engin
             "temperature": req.temperature or 1.0, "top_p": req.top_p if req.top_p is not None else 1.0,
             "top_k": req.hispec.top_k, "seed": req.seed, "drafter_invariant": req.hispec.drafter_invariant,
         }
-        if req.hispec.ignore_eos:
-            overrides["eos_token_id"] = ()
+        if req.hispec.ignore_eos or req.stop_token_ids:  # vLLM's stop_token_ids end a choice as EOS does
+            eos = set() if req.hispec.ignore_eos else set(default_eos)
+            overrides["eos_token_id"] = tuple(sorted(eos | set(req.stop_token_ids or ())))
         options = req.stream_options
         job = Job(chat, config.model_name, prompts, req.n, overrides, stop, req.stream,
                   bool(req.stream and options is not None and options.include_usage), req.return_token_ids,

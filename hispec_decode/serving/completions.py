@@ -4,8 +4,10 @@ A request becomes ``len(prompts) * n`` engine requests ("choices"; choice ``i`` 
 with ``seed + i``). Each choice's committed tokens become text through a
 :class:`~hispec_decode.serving.detokenize.TextStream`; a stop string ends the choice there (its
 engine request is aborted, so its blocks are freed at once). Non-streamed requests answer one JSON
-object; streamed ones send server-sent events (``data: {chunk}``, then ``data: [DONE]``). A client
-that goes away has every unfinished choice aborted.
+object; streamed ones send server-sent events (``data: {chunk}``, then ``data: [DONE]``). No chunk
+precedes a choice's first text: a chat choice's role comes with it (or with its finishing chunk, if
+it ends without text), so a client timing the first chunk (``vllm bench serve``) measures the real
+time to the first token. A client that goes away has every unfinished choice aborted.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Choice:
     finish_reason: str | None = None
     counters: Any = None
     sent_ids: int = 0  # output token ids already streamed (with return_token_ids)
+    started: bool = False  # a chunk of it has been streamed
 
     @property
     def finished(self) -> bool:
@@ -159,9 +162,6 @@ class CompletionRun:
     async def stream(self) -> AsyncIterator[str]:
         """Server-sent events; aborts the unfinished choices if the client goes away (cancellation)."""
         try:
-            if self.job.chat:
-                for c in self.choices:
-                    yield _sse(self._chunk(c, {"role": "assistant", "content": ""}))
             while self._unfinished():
                 try:
                     choice, delta = await self._next()
@@ -170,14 +170,25 @@ class CompletionRun:
                     break
                 ids = choice.take_ids() if self.job.return_token_ids else []
                 if delta or ids:
-                    yield _sse(self._chunk(choice, {"content": delta} if self.job.chat else delta, ids))
+                    yield _sse(self._chunk(choice, self._delta(choice, delta), ids))
                 if choice.finished:
-                    yield _sse(self._chunk(choice, {} if self.job.chat else "", [], final=True))
+                    yield _sse(self._chunk(choice, self._delta(choice, None), [], final=True))
             if self.job.include_usage:
                 yield _sse(self._base("chunk") | {"choices": [], "usage": self._usage()})
             yield "data: [DONE]\n\n"
         finally:
             self._finish()
+
+    def _delta(self, c: Choice, text: str | None) -> Any:
+        """A chunk's ``text`` (completions) or ``delta`` (chat) for new text (None: a finishing chunk's
+        nothing); a chat choice's first chunk also carries its role."""
+        first, c.started = not c.started, True
+        if not self.job.chat:
+            return text or ""
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text is not None or first:
+            delta["content"] = text or ""
+        return delta
 
     def _chunk(self, c: Choice, delta: Any, ids: list[int] | None = None, final: bool = False) -> dict[str, Any]:
         """A streamed chunk; with ``return_token_ids`` its ``token_ids`` are the chunk's new tokens
