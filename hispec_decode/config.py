@@ -129,15 +129,19 @@ class EngineConfig:
         "when sequences waiting for the full model are verified: gather (wait so one pass verifies many) or eager"))
     max_num_seqs: int | None = field(
         default=None, metadata=_help("sequences decoded at once at most; the others wait (default: as many as the cache holds)"))
+    prefill_chunk: int | None = field(default=None, metadata=_help(
+        "prompt tokens prefilled per step at most, over all sequences (chunked prefill: a newcomer's prompt is "
+        "spread over steps instead of stalling the running batch; default: no limit)"))
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_num_seqs"):
+        for name in ("num_blocks", "block_size", "max_num_seqs", "prefill_chunk"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
                 object.__setattr__(self, name, int(value))
         _check_int("num_blocks", self.num_blocks, 1, optional=True)
         _check_int("block_size", self.block_size, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1, optional=True)
+        _check_int("prefill_chunk", self.prefill_chunk, 1, optional=True)
         if not isinstance(self.schedule, str) or self.schedule not in SCHEDULES:
             raise HiSpecError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
 

@@ -181,3 +181,26 @@ def test_max_num_seqs_caps_the_running_batch(method, hispec_models, alone):
     assert most == 3
     assert [server.release(i).new_tokens for i in ids] == alone["llama", method][:8]
     assert not server.sequences and server.cache.manager.num_free == server.cache.manager.num_blocks
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", METHODS)
+def test_chunked_prefill_gives_the_same_tokens(arch, method, hispec_models, alone):
+    """Prompts prefilled a few tokens per step (beside rows that decode) change no token."""
+    out = hispec_models[arch].generate(PROMPTS, max_new_tokens=NEW, method=method, prefill_chunk=3, **_kwargs(method))
+    assert out.sequences == alone[arch, method]
+
+
+def test_chunked_prefill_spreads_a_prompt_over_steps_without_holding_decode_rows(hispec_models):
+    engine = hispec_models["llama"].serve(method="autoregressive", max_new_tokens=30, num_blocks=64, prefill_chunk=4)
+    first = engine.add_request(PROMPTS[0])  # one token: no chunks
+    engine.step()
+    assert engine.sequences[first].committed == 2
+    second = engine.add_request(PROMPTS[5])  # 20 tokens: 5 steps of 4, the last one by its own request
+    for step in range(5):
+        engine.step()
+        assert engine.sequences[first].committed == 3 + step, "a decode row waited for a prefill"
+        assert engine.sequences[second].processed(0) == min(4 * (step + 1), 20)
+        assert engine.sequences[second].committed == 20 + (step == 4)
+    with pytest.raises(Exception, match="prefill_chunk"):
+        hispec_models["llama"].serve(prefill_chunk=0)

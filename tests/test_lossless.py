@@ -159,3 +159,5 @@ def test_new_head_types_decode_losslessly(arch, head_type, options, hispec_model
     for method, kw in (("hispec", dict(window=4, num_draft=3)), ("self_spec", dict(num_draft=4))):
         out = with_heads.generate(prompts, max_new_tokens=NEW, method=method, **kw)
         assert out.sequences == [references[arch, n] for n in PROMPTS], method
+        chunked = with_heads.generate(prompts, max_new_tokens=NEW, method=method, prefill_chunk=3, **kw)
+        assert chunked.sequences == out.sequences, f"{method}, chunked prefill"  # heads' caches chunked too

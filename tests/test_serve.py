@@ -611,6 +611,22 @@ def test_bench_serve_runs(long_base, tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_bench_serve_sends_vllm_bench_shaped_load(long_base, tmp_path):
+    """Random-token prompts to /v1/completions with ignore_eos: every request is exactly max_tokens
+    long, and vllm bench serve's figures are reported (here against a chunked-prefill server)."""
+    from hispec_decode.tools.bench_serve import main
+
+    out = tmp_path / "serve.json"
+    assert main(["--launch", "autoregressive", "--base", str(long_base), "--heads", "none", "--concurrency", "2",
+                 "--requests", "4", "--max-tokens", "6", "--random-input-len", "9", "--num-prompts", "3",
+                 "--ignore-eos", "--prefill-chunk", "4", "--json", str(out)]) == 0
+    (level,) = json.loads(out.read_text())["servers"]["autoregressive"]["levels"]
+    assert level["failed"] == 0 and level["output_tokens"] == 4 * 6
+    vllm = level["vllm"]
+    assert vllm["output_throughput"] == pytest.approx(level["output_tokens_per_second"])
+    assert 0 < vllm["median_ttft_ms"] <= vllm["p99_ttft_ms"] and vllm["mean_tpot_ms"] > 0 and vllm["p99_itl_ms"] > 0
+
+
 def test_drafter_invariant_extension_gives_the_same_text_on_every_server(chat_model):
     """A seeded, drafter-invariant sample is the same text from an autoregressive and a hispec server
     (fp32), while each server's default rejection sampling is free to differ."""

@@ -22,7 +22,7 @@ from ..decoding.sampling import TokenSampler
 from ..decoding.strategies import STRATEGIES
 from ..errors import HiSpecError, OutOfBlocksError
 from ..inputs import prompt_rows
-from .model_runner import ModelRunner
+from .model_runner import BandRequest, ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -104,14 +104,16 @@ class LLMEngine:
             seq.request = next(seq.steps)
         if not self.scheduler.running:
             return []
-        batch = self.scheduler.next_batch()
-        logits = self.runner.advance([s.request for s in batch])
+        batch, requests = self._prefill_budget(self.scheduler.next_batch())
+        logits = self.runner.advance(requests)
         usage = self.cache.manager.usage()  # the step's high point: drafts written, nothing truncated yet
         self.peak_slots = max(self.peak_slots, usage["slots_held"])
         self.peak_tokens = max(self.peak_tokens, usage["tokens_needed"])
         outputs = []
         running = len(self.scheduler.running)
-        for seq, lg in zip(batch, logits):
+        for seq, request, lg in zip(batch, requests, logits):
+            if request is not seq.request:  # a chunk of its prefill: its decode loop still waits
+                continue
             seq.batch_size = running  # batch-aware policies speculate less in bigger batches
             try:
                 seq.request = seq.steps.send(lg)
@@ -125,6 +127,29 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         self.steps += 1
         return outputs
+
+    def _prefill_budget(self, batch: list[Sequence]) -> tuple[list[Sequence], list[BandRequest]]:
+        """The sequences served this step and their requests, at most ``prefill_chunk`` prompt tokens
+        in all (chunked prefill). A sequence whose prompt (or, after a preemption, committed tokens)
+        no band has seen yet is a prefill of that many tokens: if it fits what is left of the budget,
+        its own request runs; else the next chunk of it runs through every band, without logits (its
+        decode loop keeps waiting), and the budget is spent; sequences after it that still need a
+        prefill wait a step. Decode rows are never held back."""
+        budget = self.engine_config.prefill_chunk
+        if budget is None:
+            return batch, [s.request for s in batch]
+        served, requests = [], []
+        for seq in batch:
+            backlog = seq.committed - seq.processed(0)  # at most 1 while decoding: the newest committed token
+            if backlog <= 1 or backlog <= budget:
+                budget -= backlog if backlog > 1 else 0
+                served.append(seq)
+                requests.append(seq.request)
+            elif budget > 0:
+                served.append(seq)
+                requests.append(BandRequest(seq, len(seq.exits) - 1, 0, upto=seq.processed(0) + budget))
+                budget = 0
+        return served, requests
 
     def stream(self) -> Iterator[StepOutput]:
         """Step until every request is finished, yielding committed tokens as they come."""

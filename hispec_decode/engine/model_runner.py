@@ -29,11 +29,18 @@ from .sequence import Sequence
 @dataclass(frozen=True)
 class BandRequest:
     """Bring ``seq`` through bands ``0..top_band``; return the logits of its ``num_logits`` newest
-    positions at the exit on top of that band."""
+    positions at the exit on top of that band. ``upto`` (a chunk of a prefill) brings only
+    ``tokens[:upto]`` through, and asks for no logits."""
 
     seq: Sequence
     top_band: int
     num_logits: int
+    upto: int | None = None
+
+    @property
+    def end(self) -> int:
+        """Tokens the bands of this request have seen once it is served."""
+        return len(self.seq.tokens) if self.upto is None else self.upto
 
 
 class ModelRunner:
@@ -63,20 +70,19 @@ class ModelRunner:
         at_top: list[torch.Tensor | None] = [None] * len(requests)
         top, band = max(r.top_band for r in requests), 0
         while band <= top:
-            group = [(i, r.seq) for i, r in enumerate(requests)
-                     if r.top_band >= band and r.seq.processed(band) < len(r.seq.tokens)]
+            group = [(i, r.seq) for i, r in enumerate(requests) if r.top_band >= band and r.seq.processed(band) < r.end]
             if not group:
                 band += 1
                 continue
             last = self._merge(requests, group, band, top)  # bands band..last run as one slice
             exits = group[0][1].exits
             lo, hi = (exits[band - 1] if band else 0), exits[last]
-            spans = [(st.seq_id, st.processed(band), len(st.tokens) - st.processed(band)) for _, st in group]
+            spans = [(st.seq_id, st.processed(band), requests[i].end - st.processed(band)) for i, st in group]
             meta = self.decoder.meta(cache, spans)
             if band == 0:
-                ids = [t for _, st in group for t in st.tokens[st.processed(0):]]
+                ids = [t for i, st in group for t in st.tokens[st.processed(0) : requests[i].end]]
                 x = self.decoder.embed(torch.tensor(ids, device=self.decoder.device), meta)
-            else:  # pending[band-1] covers exactly [processed(band), len(tokens))
+            else:  # pending[band-1] covers exactly [processed(band), end)
                 x = torch.cat([st.pending[band - 1] for _, st in group], dim=1)
                 for _, st in group:
                     st.pending[band - 1] = None
@@ -108,8 +114,7 @@ class ModelRunner:
             exit_layer = group[0][1].exits[last]
             if exit_layer in self.head_cache_layer or any(requests[i].top_band == last for i in members):
                 break
-            upper = {i for i, r in enumerate(requests) if r.top_band > last
-                     and r.seq.processed(last + 1) < len(r.seq.tokens)}
+            upper = {i for i, r in enumerate(requests) if r.top_band > last and r.seq.processed(last + 1) < r.end}
             if upper != members or any(st.processed(last + 1) != st.processed(band) or st.pending[last] is not None
                                        for _, st in group):
                 break
@@ -153,8 +158,12 @@ class ModelRunner:
     def _logits(self, requests: list[BandRequest], at_top: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """One exit call per exit layer over the requested rows of every sequence."""
         out: list[torch.Tensor | None] = [None] * len(requests)
-        for layer in sorted({r.seq.exits[r.top_band] for r in requests}):
-            idx = [i for i, r in enumerate(requests) if r.seq.exits[r.top_band] == layer]
+        for i, r in enumerate(requests):
+            if not r.num_logits:  # a prefill chunk
+                out[i] = torch.empty(0)
+        wanted = [r.seq.exits[r.top_band] if r.num_logits else None for r in requests]
+        for layer in sorted({w for w in wanted if w is not None}):
+            idx = [i for i, w in enumerate(wanted) if w == layer]
             for i in idx:
                 if at_top[i] is None or at_top[i].shape[1] < requests[i].num_logits:
                     raise RuntimeError(f"request {i}: fewer new positions at exit {layer} than the "

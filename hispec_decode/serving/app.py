@@ -48,7 +48,7 @@ def build_app(model: HiSpecModel, engine: LLMEngine, config: ServerConfig, engin
         raise HiSpecError(f"{model.base_name} has no tokenizer; the server needs one to read text prompts")
     server = AsyncEngine(engine, config.max_queue, threaded=engine_thread)
     metrics = ServerMetrics(lambda: server.snapshot, config.model_name, engine.config.method)
-    tokenizer, context = model.tokenizer, model.decoder.max_positions
+    tokenizer, context, vocab = model.tokenizer, model.decoder.max_positions, model.decoder.vocab_size
     default_eos = engine.config.eos_ids(engine.runner.decoder.default_eos_ids())  # what ends a choice unless it says
 
     async def lifespan(app: FastAPI):
@@ -96,12 +96,12 @@ def build_app(model: HiSpecModel, engine: LLMEngine, config: ServerConfig, engin
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(config.model_name)]}
+        return {"object": "list", "data": [_model_card(config.model_name, context, vocab)]}
 
     @app.get("/v1/models/{name:path}", dependencies=v1)
     async def model_info(name: str) -> dict[str, Any]:
         _check_model(name, config)
-        return _model_card(config.model_name)
+        return _model_card(config.model_name, context, vocab)
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(request: Request) -> Response:
@@ -183,8 +183,10 @@ class RequestCounter:
             self.metrics.requests.labels(route, str(status["code"])).inc()
 
 
-def _model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "hispec"}
+def _model_card(name: str, context: int, vocab: int) -> dict[str, Any]:
+    """OpenAI's model object, with vLLM's ``max_model_len`` and the vocabulary size (random-token loads)."""
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "hispec", "max_model_len": context,
+            "vocab_size": vocab}
 
 
 def _check_model(name: str, config: ServerConfig) -> None:

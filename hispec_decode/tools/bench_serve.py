@@ -6,7 +6,11 @@
 At each concurrency level, that many clients send streamed chat requests (greedy, chat prompts) until
 a fixed number of requests is done or a time limit passes; it reports requests/s, output tokens/s,
 time to first token and inter-token latency (p50/p99; a chunk of k tokens after a gap g counts as k
-gaps of g/k, since a speculative server commits several tokens at once), as JSON and a PNG.
+gaps of g/k, since a speculative server commits several tokens at once), as JSON and a PNG, and
+beside them the figures ``vllm bench serve`` prints, by its definitions (``vllm`` in the JSON:
+TTFT, TPOT and per-chunk ITL, mean / median / p99). ``--random-input-len N --ignore-eos`` sends
+the load ``vllm bench serve --dataset-name random --random-input-len N --ignore-eos`` sends
+(random token ids to /v1/completions, every request exactly ``--max-tokens`` long).
 
 ``--compare-generate`` (with ``--launch``) measures the HTTP path's overhead: the same prompts,
 one at a time, through the server and through ``model.generate`` in this process, interleaved prompt
@@ -49,8 +53,18 @@ class Result:
     ttft: float | None = None
     latency: float = 0.0
     gaps: list[float] = field(default_factory=list)  # per output token after the first chunk
+    chunk_gaps: list[float] = field(default_factory=list)  # between chunks, as vllm bench serve's ITL counts
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class Load:
+    """What each request asks for: the prompt source, the endpoint, ``ignore_eos``."""
+
+    max_tokens: int
+    endpoint: str = "chat"  # or "completions"
+    ignore_eos: bool = False
 
 
 class Target:
@@ -77,14 +91,22 @@ class Target:
             raise HiSpecError(f"GET {path} answered {resp.status}: {body[:200]!r}")
         return json.loads(body)
 
-    def chat(self, text: str, max_tokens: int) -> Result:
-        """One streamed greedy chat request, timed chunk by chunk."""
-        body = {"model": self.model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-                "temperature": 0, "stream": True, "return_token_ids": True}
+    def chat(self, prompt: str | list[int], max_tokens: int | Load) -> Result:
+        """One streamed greedy request (chat for a text prompt, unless the load says completions;
+        token ids always go to /v1/completions), timed chunk by chunk."""
+        load = max_tokens if isinstance(max_tokens, Load) else Load(max_tokens)
+        body: dict[str, Any] = {"model": self.model, "max_tokens": load.max_tokens, "temperature": 0, "stream": True,
+                                "return_token_ids": True}
+        if load.ignore_eos:
+            body["ignore_eos"] = True
+        if isinstance(prompt, str) and load.endpoint == "chat":
+            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+        else:
+            path, body["prompt"] = "/v1/completions", prompt
         t0 = time.perf_counter()
         conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
         try:
-            conn.request("POST", "/v1/chat/completions", json.dumps(body), self._headers())
+            conn.request("POST", path, json.dumps(body), self._headers())
             resp = conn.getresponse()
             if resp.status != 200:
                 return Result(False, error=f"HTTP {resp.status}: {resp.read()[:200]!r}")
@@ -103,6 +125,7 @@ class Target:
                     result.ttft = now - t0
                 else:
                     result.gaps += [(now - last) / len(ids)] * len(ids)
+                    result.chunk_gaps.append(now - last)
                 last = now
                 result.token_ids += ids
             result.tokens, result.latency = len(result.token_ids), time.perf_counter() - t0
@@ -120,8 +143,35 @@ def percentile(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
 
 
-def run_level(target: Target, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int,
-              time_limit: float) -> dict[str, Any]:
+def vllm_metrics(ok: list[Result], wall: float) -> dict[str, float | None]:
+    """The figures ``vllm bench serve`` prints, by its definitions: TTFT to the first chunk with
+    output; TPOT = (latency - TTFT) / (output tokens - 1) per request; ITL = the gaps between chunks
+    (a chunk of k speculated tokens is one gap); mean, median and p99 in ms."""
+    ms = lambda x: None if x is None else 1000 * x  # noqa: E731
+    series = {"ttft": [r.ttft for r in ok if r.ttft is not None],
+              "tpot": [(r.latency - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1],
+              "itl": [g for r in ok for g in r.chunk_gaps]}
+    out: dict[str, float | None] = {"output_throughput": sum(r.tokens for r in ok) / wall,
+                                    "request_throughput": len(ok) / wall}
+    for name, values in series.items():
+        out[f"mean_{name}_ms"] = ms(sum(values) / len(values)) if values else None
+        out[f"median_{name}_ms"] = ms(percentile(values, 50))
+        out[f"p99_{name}_ms"] = ms(percentile(values, 99))
+    return out
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``length`` random token ids (``vllm bench serve --dataset-name random``'s shape;
+    sent as ids, so every prompt has exactly that length)."""
+    import random
+
+    rng = random.Random(seed)
+    low = min(1000, vocab_size // 4)  # clear of the special tokens at the start of most vocabularies
+    return [[rng.randrange(low, vocab_size - 1) for _ in range(length)] for _ in range(n)]
+
+
+def run_level(target: Target, prompts: list[str] | list[list[int]], concurrency: int, num_requests: int,
+              max_tokens: int | Load, time_limit: float) -> dict[str, Any]:
     """``concurrency`` clients send requests (prompts in turn) until ``num_requests`` or ``time_limit``."""
     results: list[Result] = []
     lock, counter = threading.Lock(), iter(range(num_requests))
@@ -152,10 +202,11 @@ def run_level(target: Target, prompts: list[str], concurrency: int, num_requests
     ms = lambda x: None if x is None else 1000 * x  # noqa: E731
     return {"concurrency": concurrency, "requests": len(results), "failed": len(results) - len(ok),
             "errors": sorted({r.error for r in results if not r.ok})[:5], "seconds": wall,
+            "output_tokens": sum(r.tokens for r in ok),
             "requests_per_second": len(ok) / wall, "output_tokens_per_second": sum(r.tokens for r in ok) / wall,
             "ttft_ms_p50": ms(percentile(ttfts, 50)), "ttft_ms_p99": ms(percentile(ttfts, 99)),
             "itl_ms_p50": ms(percentile(gaps, 50)), "itl_ms_p99": ms(percentile(gaps, 99)),
-            "latency_s_p50": percentile([r.latency for r in ok], 50)}
+            "latency_s_p50": percentile([r.latency for r in ok], 50), "vllm": vllm_metrics(ok, wall)}
 
 
 def free_port() -> int:
@@ -172,6 +223,7 @@ def launch(args: argparse.Namespace, method: str) -> tuple[subprocess.Popen, str
     cmd += ["--base", args.base] if args.base else []
     cmd += ["--heads", args.heads] if args.heads else []
     cmd += ["--batch-invariant"] if args.batch_invariant else []
+    cmd += ["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []
     log = tempfile.TemporaryFile()  # not a pipe: nobody reads it while the server runs
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + 600
@@ -266,6 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="mixed", choices=PROMPT_SETS, help="prompt set (default: mixed chat)")
     p.add_argument("--num-prompts", type=positive_int, default=16)
     p.add_argument("--time-limit", type=float, default=300.0, help="seconds per level at most (default: 300)")
+    p.add_argument("--random-input-len", type=positive_int, default=None,
+                   help="prompts of this many random token ids to /v1/completions (vllm bench serve's random data set)")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat", help="for text prompts")
+    p.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens tokens")
+    p.add_argument("--prefill-chunk", type=positive_int, default=None, help="with --launch: the servers' chunked prefill")
     p.add_argument("--compare-generate", action="store_true",
                    help="with --launch: tokens/s through the server vs model.generate at concurrency 1")
     p.add_argument("--json", type=Path, default=None)
@@ -290,7 +347,8 @@ def _run(args: argparse.Namespace) -> int:
             check_writable(output.parent, f"the directory of {output}")
     if args.compare_generate and not args.launch:
         raise HiSpecError("--compare-generate needs --launch (this process loads the same model)")
-    prompts = prompt_set(args.prompts, args.num_prompts)
+    prompts: list[Any] = prompt_set(args.prompts, args.num_prompts)
+    load = Load(args.max_tokens, args.endpoint, args.ignore_eos)
     model = None
     if args.compare_generate:
         from ..api import HiSpecModel
@@ -304,10 +362,13 @@ def _run(args: argparse.Namespace) -> int:
             target = Target(url, args.api_key)
             results["model"] = target.model
             name = method or url
+            if args.random_input_len:  # the server's vocabulary, from the ids it returns for a text prompt
+                vocab = _vocab_size(target)
+                prompts = random_prompts(args.num_prompts, args.random_input_len, vocab)
             target.chat(prompts[0], 4)  # warm-up
             levels = []
             for c in args.concurrency:
-                level = run_level(target, prompts, c, args.requests or max(8, 4 * c), args.max_tokens, args.time_limit)
+                level = run_level(target, prompts, c, args.requests or max(8, 4 * c), load, args.time_limit)
                 levels.append(level)
                 logger.info("%s, concurrency %d: %.2f req/s, %.1f tok/s, TTFT p50 %.0f ms, ITL p50 %.1f ms (%d failed)",
                             name, c, level["requests_per_second"], level["output_tokens_per_second"],
@@ -330,14 +391,25 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vocab_size(target: Target) -> int:
+    """The served model's vocabulary size (hispec-serve's model card has it)."""
+    size = target.get(f"/v1/models/{target.model}").get("vocab_size")
+    if not isinstance(size, int):
+        raise HiSpecError(f"the server's model card gives no vocab_size; --random-input-len needs it")
+    return size
+
+
 def _table(results: dict[str, Any]) -> str:
-    rows = ["server | clients | req/s | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | failed", "|".join(["---"] * 7)]
+    rows = ["server | clients | req/s | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | vLLM's TPOT mean | vLLM's ITL "
+            "median/p99 ms | failed", "|".join(["---"] * 9)]
     f = lambda x: "-" if x is None else f"{x:.0f}" if x >= 10 else f"{x:.1f}"  # noqa: E731
     for name, s in results["servers"].items():
         for lv in s["levels"]:
+            v = lv["vllm"]
             rows.append(f"{name} | {lv['concurrency']} | {lv['requests_per_second']:.2f} | "
                         f"{lv['output_tokens_per_second']:.1f} | {f(lv['ttft_ms_p50'])}/{f(lv['ttft_ms_p99'])} | "
-                        f"{f(lv['itl_ms_p50'])}/{f(lv['itl_ms_p99'])} | {lv['failed']}")
+                        f"{f(lv['itl_ms_p50'])}/{f(lv['itl_ms_p99'])} | {f(v['mean_tpot_ms'])} | "
+                        f"{f(v['median_itl_ms'])}/{f(v['p99_itl_ms'])} | {lv['failed']}")
     return "\n".join(rows)
 
 

@@ -23,7 +23,7 @@ from ..errors import HiSpecError
 from .args import POLICY_FIELDS, add_config_args, add_model_args, config_overrides
 from .cli import add_debug_arg, positive_int, run_cli
 
-ENGINE_ARGS = ("num_blocks", "block_size", "schedule", "max_num_seqs")
+ENGINE_ARGS = ("num_blocks", "block_size", "schedule", "max_num_seqs", "prefill_chunk")
 SERVER_POLICY_ARGS = ("method", *POLICY_FIELDS, "draft_threshold", "verify_threshold", "batch_aware", "use_exit_vocab")
 API_KEY_ENV = "HISPEC_API_KEY"
 
