@@ -110,6 +110,17 @@ def write_conversations(path: Path, n: int = 40) -> Path:
     return path
 
 
+PROMPTS = [f"What is {i} plus {i + 1}?" for i in range(12)] + [f"Say {i} twice." for i in range(12)]
+
+
+@pytest.fixture(scope="session")
+def prompt_file(tmp_path_factory) -> Path:
+    """:data:`PROMPTS`, one per line (a local prompt source for hispec-selfdistill)."""
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
 @pytest.fixture(scope="session")
 def trainable_base(tmp_path_factory) -> Path:
     """A tiny Llama with a tokenizer and a chat template, saved to disk."""

@@ -17,20 +17,20 @@ from hispec_train import selfdistill, store
 from hispec_train.selfdistill import MANIFEST_NAME, SelfDistillConfig, generate
 from hispec_train.store import STORE_MANIFEST, StoreConfig, StoreManifest, build_store
 
-from conftest import every_kill_point, make_run_dir
+from conftest import PROMPTS, every_kill_point, make_run_dir
 
-PROMPTS = [f"What is {i} plus {i + 1}?" for i in range(8)]
+MAX_TOKENS = 10**6  # no cap: every planned answer
 
 
 @pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
-    path.write_text("\n".join(PROMPTS) + "\n")
+def few_prompts(tmp_path_factory) -> Path:
+    """The first 8 prompts: 16 answers, small stores, few kill points."""
+    path = tmp_path_factory.mktemp("few") / "few.txt"
+    path.write_text("\n".join(PROMPTS[:8]) + "\n")
     return path
 
-
 def _distill_cfg(base: Path, prompts: Path, out: Path, **kw) -> SelfDistillConfig:
-    keys = dict(out=str(out), base=str(base), dtype="float32", prompts=[str(prompts)], max_tokens=10**6,
+    keys = dict(out=str(out), base=str(base), dtype="float32", prompts=[str(prompts)], max_tokens=MAX_TOKENS,
                 max_new_tokens=8, batch_size=3, shard_records=2)
     return SelfDistillConfig(**(keys | kw))
 
@@ -41,8 +41,8 @@ def _store_cfg(base: Path, dataset: Path, out: Path, **kw) -> StoreConfig:
 
 
 @pytest.fixture(scope="module")
-def distilled(trainable_base, prompt_file, tmp_path_factory) -> Path:
-    return generate(_distill_cfg(trainable_base, prompt_file, tmp_path_factory.mktemp("sd") / "data"))
+def distilled(trainable_base, few_prompts, tmp_path_factory) -> Path:
+    return generate(_distill_cfg(trainable_base, few_prompts, tmp_path_factory.mktemp("sd") / "data"))
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_store_overwrite_with_bad_arguments_keeps_the_store(features, distilled,
     assert _tree(copy) == before
 
 
-def test_selfdistill_overwrite_with_bad_arguments_keeps_the_data(distilled, trainable_base, prompt_file, tmp_path,
+def test_selfdistill_overwrite_with_bad_arguments_keeps_the_data(distilled, trainable_base, few_prompts, tmp_path,
                                                                   capsys):
     copy = tmp_path / "data"
     shutil.copytree(distilled, copy)
@@ -105,7 +105,7 @@ def test_selfdistill_overwrite_with_bad_arguments_keeps_the_data(distilled, trai
     _one_error_line(capsys, "--top-p")
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"no model")
-    assert selfdistill.main([*common, "--prompts", str(prompt_file), "--base", str(fake)]) == 2  # the model fails
+    assert selfdistill.main([*common, "--prompts", str(few_prompts), "--base", str(fake)]) == 2  # the model fails
     _one_error_line(capsys, "not a GGUF file")
     assert _tree(copy) == before
 
@@ -121,6 +121,19 @@ def test_train_overwrite_with_a_missing_store_keeps_the_run(trainable_base, tmp_
     with pytest.raises(HiSpecError, match="hispec-store --dataset DATA --out .*nowhere --layers 1,3"):
         train(cfg)
     assert _tree(run) == before
+
+
+def test_export_overwrite_with_bad_arguments_keeps_the_export(trainable_base, tmp_path, capsys):
+    from hispec_train import export as export_cli
+
+    run = make_run_dir(tmp_path / "run", trainable_base)
+    out = tmp_path / "heads"
+    assert export_cli.main([str(run), "--out", str(out)]) == 0
+    before = _tree(out)
+    assert export_cli.main([str(tmp_path / "no-run"), "--out", str(out), "--overwrite"]) == 2
+    assert export_cli.main([str(run), "--out", str(out), "--overwrite", "--exit-vocab-size", "100000"]) == 2
+    capsys.readouterr()
+    assert _tree(out) == before
 
 
 # -- a failed start creates nothing --------------------------------------------------------------
@@ -156,7 +169,7 @@ def test_generate_refuses_a_file_that_is_not_gguf(tmp_path, capsys):
 
 # -- resumes check the shards on disk against the manifest ------------------------------------
 
-def test_selfdistill_resume_regenerates_a_missing_shard_and_overwrites_none(distilled, trainable_base, prompt_file,
+def test_selfdistill_resume_regenerates_a_missing_shard_and_overwrites_none(distilled, trainable_base, few_prompts,
                                                                             tmp_path):
     copy = tmp_path / "data"
     shutil.copytree(distilled, copy)
@@ -165,7 +178,7 @@ def test_selfdistill_resume_regenerates_a_missing_shard_and_overwrites_none(dist
     lost = pq.read_table(copy / "shard-00001.parquet")["job"].to_pylist()
     (copy / "shard-00001.parquet").unlink()
     kept = {n: b for n, b in _tree(copy).items() if n.startswith("shard-")}
-    generate(_distill_cfg(trainable_base, prompt_file, copy, resume=True))
+    generate(_distill_cfg(trainable_base, few_prompts, copy, resume=True))
     after = _tree(copy)
     assert all(after[n] == b for n, b in kept.items()), "a resume rewrote a shard it did not write"
     assert sorted(_jobs(copy)) == all_jobs  # exactly the lost answers came back, once
@@ -175,14 +188,14 @@ def test_selfdistill_resume_regenerates_a_missing_shard_and_overwrites_none(dist
     _manifest_is_the_disk(copy)
 
 
-def test_selfdistill_resume_stops_at_a_damaged_shard(distilled, trainable_base, prompt_file, tmp_path, capsys):
+def test_selfdistill_resume_stops_at_a_damaged_shard(distilled, trainable_base, few_prompts, tmp_path, capsys):
     copy = tmp_path / "data"
     shutil.copytree(distilled, copy)
     damaged = copy / "shard-00002.parquet"
     damaged.write_bytes(damaged.read_bytes()[:100])
     before = _tree(copy)
-    argv = ["--out", str(copy), "--base", str(trainable_base), "--dtype", "float32", "--prompts", str(prompt_file),
-            "--max-tokens", str(10**6), "--max-new-tokens", "8", "--resume"]
+    argv = ["--out", str(copy), "--base", str(trainable_base), "--dtype", "float32", "--prompts", str(few_prompts),
+            "--max-tokens", str(MAX_TOKENS), "--max-new-tokens", "8", "--resume"]
     assert selfdistill.main(argv) == 2
     _one_error_line(capsys, "shard-00002.parquet", "damaged")
     assert _tree(copy) == before
@@ -214,7 +227,7 @@ def test_store_resume_keeps_unlisted_complete_shards_and_stops_at_damaged_ones(f
 
 # -- SIGKILL at every file system step, then --resume ------------------------------------------
 
-def test_killed_selfdistill_resumes_to_the_same_data(trainable_base, prompt_file, tmp_path, monkeypatch):
+def test_killed_selfdistill_resumes_to_the_same_data(trainable_base, few_prompts, tmp_path, monkeypatch):
     import pyarrow.parquet
 
     model = HiSpecModel.from_pretrained(str(trainable_base), heads="none")  # loaded once, shared by the children

@@ -20,15 +20,7 @@ from hispec_train.store_data import FeatureStore
 from hispec_train.trainer import base_forward, train
 from hispec_train.vocab import exit_vocabulary
 
-PROMPTS = [f"What is {i} plus {i + 1}?" for i in range(12)] + [f"Say {i} twice." for i in range(12)]
-
-
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
-    path.write_text("\n".join(PROMPTS) + "\n")
-    return path
-
+from conftest import PROMPTS
 
 def _distill_cfg(base: Path, prompts: Path, out: Path, **kw) -> SelfDistillConfig:
     keys = dict(out=str(out), base=str(base), dtype="float32", prompts=[str(prompts)], max_tokens=400,
