@@ -32,7 +32,7 @@ from hispec_decode.tools.cli import add_debug_arg, non_negative_int, run_cli
 from hispec_decode.adapter import fingerprint_id
 from hispec_decode.adapter.fingerprint import compute_fingerprint
 
-from .checkpoint import CHECKPOINT_DIR, STATE_NAME, checkpoint_step
+from .checkpoint import CHECKPOINT_DIR, checkpoint_step
 from .config import TrainConfig, load_config
 from .report import EVAL_NAME
 from .trainer import CONFIG_NAME as TRAIN_CONFIG_NAME

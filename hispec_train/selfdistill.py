@@ -191,6 +191,7 @@ def generate(cfg: SelfDistillConfig) -> Path:
     removes the old data set or anything is written."""
     from hispec_decode import HiSpecModel
     from hispec_decode.config import EngineConfig
+    from hispec_decode.engine.block_manager import DEFAULT_BLOCK_SIZE
 
     if not 0 < cfg.top_p <= 1 or not cfg.temperature > 0:
         raise HiSpecError("--temperature must be > 0 and --top-p in (0, 1]")
@@ -213,7 +214,7 @@ def generate(cfg: SelfDistillConfig) -> Path:
     if cfg.overwrite:  # only now that everything checked out
         remove_tree(out)
     out.mkdir(parents=True, exist_ok=True)
-    per_seq = -(-(cfg.max_prompt_tokens + cfg.max_new_tokens) // 16)
+    per_seq = -(-(cfg.max_prompt_tokens + cfg.max_new_tokens) // DEFAULT_BLOCK_SIZE)
     engine = model.serve(method="autoregressive", max_new_tokens=cfg.max_new_tokens,
                          engine_config=EngineConfig(num_blocks=per_seq * cfg.batch_size + 1))
     manifest = {"config": asdict(cfg), "base": model.base_name, "jobs_planned": len(plan), "plan_digest": digest}

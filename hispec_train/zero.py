@@ -25,7 +25,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from accelerate import Accelerator
 from torch import nn
 

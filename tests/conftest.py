@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import math
 import os
+import random
+import re
 import shutil
 import signal
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
 
 from hispec_decode import HiSpecModel, files
+from hispec_decode.decoding.sampling import SamplingParams, warp
+
+if TYPE_CHECKING:
+    from openai import OpenAI
+
+    from hispec_decode.serving import ServerConfig
 
 VOCAB = 101
 LAYERS = 6
@@ -110,14 +122,14 @@ def write_conversations(path: Path, n: int = 40) -> Path:
     return path
 
 
-PROMPTS = [f"What is {i} plus {i + 1}?" for i in range(12)] + [f"Say {i} twice." for i in range(12)]
+TEXT_PROMPTS = [f"What is {i} plus {i + 1}?" for i in range(12)] + [f"Say {i} twice." for i in range(12)]
 
 
 @pytest.fixture(scope="session")
 def prompt_file(tmp_path_factory) -> Path:
-    """:data:`PROMPTS`, one per line (a local prompt source for hispec-selfdistill)."""
+    """:data:`TEXT_PROMPTS`, one per line (a local prompt source for hispec-selfdistill)."""
     path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
-    path.write_text("\n".join(PROMPTS) + "\n")
+    path.write_text("\n".join(TEXT_PROMPTS) + "\n")
     return path
 
 
@@ -200,3 +212,152 @@ def every_kill_point(write: Callable[[], None], check: Callable[[], None],
         k += 1
         assert k < 400, "the write never finished"
     return k - 1
+
+
+# -- prompts and references of the lossless tests ----------------------------------------------
+
+LOSSLESS_PROMPTS = {1: [7], 5: [3, 14, 15, 92, 65], 17: [(i * 37 + 11) % VOCAB for i in range(17)]}
+LOSSLESS_NEW = 24
+_rng = random.Random(0)
+BATCH_PROMPTS = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (1, 7, 3, 12, 5, 20, 2, 9, 14, 4, 1, 11, 6, 17, 8, 3)]
+
+
+@pytest.fixture(scope="session")
+def references(tiny_models) -> dict[tuple[str, int], list[int]]:
+    """transformers' greedy output of each :data:`LOSSLESS_PROMPTS` prompt, by (architecture, prompt length)."""
+    return {(a, n): tiny_models[a].hf_generate(p, LOSSLESS_NEW) for a in ARCHS for n, p in LOSSLESS_PROMPTS.items()}
+
+
+# -- heads and bases that accept or reject everything -------------------------------------------
+
+def identity_above(draft_layer: int):
+    """Zero every layer's output projections from ``draft_layer`` up: the upper layers become the
+    identity, so the draft exit equals the final prediction and every draft must be accepted."""
+
+    def mutate(model):
+        for layer in model.base_model.layers[draft_layer:] if hasattr(model.base_model, "layers") else model.model.decoder.layers[draft_layer:]:
+            outs = [layer.self_attn.o_proj, layer.mlp.down_proj] if hasattr(layer, "mlp") else [layer.self_attn.out_proj, layer.fc2]
+            for lin in outs:
+                lin.weight.zero_()
+                if lin.bias is not None:
+                    lin.bias.zero_()
+
+    return mutate
+
+
+def zero_head(head):
+    """h + W h with W = -I: the head sees a zero hidden state, so it always proposes one fixed token
+    (a deep-context head also ignores its context: U = 0)."""
+    with torch.no_grad():
+        head.proj.weight.copy_(-torch.eye(head.proj.weight.shape[0]))
+        if hasattr(head, "ctx"):
+            head.ctx.weight.zero_()
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: 99.9%)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts: dict, expected: dict, total: int) -> tuple[float, int]:
+    small = [k for k, p in expected.items() if p * total < 5]
+    cells = [(counts.get(k, 0), p * total) for k, p in expected.items() if k not in small]
+    cells.append((sum(counts.get(k, 0) for k in small), sum(expected[k] for k in small) * total))
+    unexpected = sum(c for k, c in counts.items() if k not in expected)
+    assert unexpected == 0, "sampled an outcome of probability zero"
+    stat = sum((o - e) ** 2 / e for o, e in cells if e > 0)
+    return stat, len(cells) - 1
+
+
+SAMPLE_PROMPT = [3, 1, 4]
+
+
+@pytest.fixture(scope="session")
+def small_vocab_model(tmp_path_factory):
+    torch.manual_seed(5)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    path = tmp_path_factory.mktemp("small-vocab")
+    model.save_pretrained(path)
+    return path, model
+
+
+def exact_two_token_distribution(model, params: SamplingParams) -> dict[tuple[int, int], float]:
+    with torch.no_grad():
+        first = warp(model(torch.tensor([SAMPLE_PROMPT])).logits[0, -1:], params)[0]
+        dist = {}
+        for a in range(8):
+            if first[a] == 0:
+                continue
+            second = warp(model(torch.tensor([SAMPLE_PROMPT + [a]])).logits[0, -1:], params)[0]
+            for b in range(8):
+                if second[b] > 0:
+                    dist[a, b] = float(first[a] * second[b])
+    return dist
+
+
+
+
+# -- a live server -------------------------------------------------------------------------------
+
+SERVED_MODEL = "tiny-chat"
+
+
+class LiveServer:
+    """A uvicorn server on a free port, in a thread of this process."""
+
+    def __init__(self, model: HiSpecModel, config: ServerConfig | None = None, **engine_overrides) -> None:
+        import uvicorn
+
+        from hispec_decode.serving import ServerConfig, build_app
+        from hispec_decode.tools.bench_serve import free_port
+
+        self.model = model
+        self.config = config or ServerConfig(SERVED_MODEL)
+        self.app = build_app(model, model.serve(**engine_overrides), self.config)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kwargs) -> OpenAI:
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url + "/v1", api_key=self.config.api_key or "none", max_retries=0, **kwargs)
+
+    def request(self, method: str, path: str, body: bytes | str | dict | None = None,
+                headers: dict | None = None) -> tuple[int, dict | str]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        data = json.dumps(body) if isinstance(body, dict) else body
+        hdrs = {"Content-Type": "application/json"}
+        if self.config.api_key:
+            hdrs["Authorization"] = f"Bearer {self.config.api_key}"
+        conn.request(method, path, data, hdrs | (headers or {}))
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        conn.close()
+        try:
+            return resp.status, json.loads(text)
+        except json.JSONDecodeError:
+            return resp.status, text
+
+    def metric(self, name: str) -> float:
+        _, text = self.request("GET", "/metrics")
+        match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        assert match, f"{name} not in /metrics"
+        return float(match.group(1))
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -11,14 +9,13 @@ from hispec_decode import HiSpecAdapter
 from hispec_decode.adapter import ExitSpec
 from hispec_decode import OutOfBlocksError
 
-from conftest import ARCHS, VOCAB, save_tiny
-from test_lossless import _identity_above
+from conftest import ARCHS, save_tiny
+from conftest import BATCH_PROMPTS as PROMPTS
+from conftest import identity_above
 
 NEW = 16
 METHODS = ["autoregressive", "self_spec", "hispec"]
 POLICY = dict(draft_layer=2, verify_layer=4, window=3, num_draft=2)
-_rng = random.Random(0)
-PROMPTS = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (1, 7, 3, 12, 5, 20, 2, 9, 14, 4, 1, 11, 6, 17, 8, 3)]
 
 
 def _kwargs(method: str) -> dict:
@@ -52,7 +49,7 @@ def test_batched_rows_equal_rows_decoded_alone(arch, method, hispec_models, tiny
 def _repeat_last_token(model) -> None:
     """Every layer becomes the identity and the LM head the embedding matrix: the model repeats
     its last input token forever, and every exit (without heads) predicts exactly that."""
-    _identity_above(0)(model)
+    identity_above(0)(model)
     emb = model.get_input_embeddings().weight
     emb.copy_(torch.randn_like(emb) * 3)
     out = model.get_output_embeddings().weight

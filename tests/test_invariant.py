@@ -15,11 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ARCHS, VOCAB, save_tiny
+from conftest import ARCHS, VOCAB, identity_above, save_tiny, zero_head
 from hispec_decode import HiSpecAdapter
 from hispec_decode.adapter import ExitSpec
 from hispec_decode.layers.linear import FusedLinear
-from test_lossless import _identity_above, _zero_head
 
 _rng = random.Random(1)
 PROMPTS = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (5, 1, 12, 3, 8)]
@@ -116,7 +115,7 @@ def test_low_precision_speculation_equals_own_autoregressive(arch, dtype, tiny_m
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "opt"])
 def test_bf16_exits_that_accept_everything(arch, tmp_path):
-    tiny = save_tiny(arch, tmp_path / "base", mutate=_identity_above(1))
+    tiny = save_tiny(arch, tmp_path / "base", mutate=identity_above(1))
     model = tiny.load(dtype="bfloat16", batch_invariant=True)
     stats = _bf16_equal_to_autoregressive(model, [("hispec", dict(draft_layer=1, verify_layer=3, window=8, num_draft=3)),
                                                   ("self_spec", dict(draft_layer=1, num_draft=4))])
@@ -129,7 +128,7 @@ def test_bf16_exits_that_reject_everything(arch, tiny_models, tmp_path):
     specs = [ExitSpec(1, "draft", "residual_linear"), ExitSpec(3, "intermediate", "residual_linear")]
     adapter = HiSpecAdapter.create(model.decoder, str(tiny_models[arch].path), specs)
     for spec in specs:
-        _zero_head(adapter.head(spec.layer))
+        zero_head(adapter.head(spec.layer))
     adapter.save_pretrained(tmp_path / "heads")
     model = tiny_models[arch].load(heads=str(tmp_path / "heads"), dtype="bfloat16", batch_invariant=True)
     stats = _bf16_equal_to_autoregressive(model, [("hispec", dict(window=1, num_draft=1)),

@@ -8,16 +8,11 @@ import torch
 from hispec_decode import HiSpecAdapter
 from hispec_decode.adapter import ExitSpec
 
-from conftest import ARCHS, LAYERS, VOCAB, save_tiny
+from conftest import ARCHS, LAYERS, identity_above, save_tiny, zero_head
+from conftest import LOSSLESS_NEW as NEW
+from conftest import LOSSLESS_PROMPTS as PROMPTS
 
-PROMPTS = {1: [7], 5: [3, 14, 15, 92, 65], 17: [(i * 37 + 11) % VOCAB for i in range(17)]}
 LAYER_CHOICES = [(1, 2), (1, LAYERS - 1), (2, 4), (3, LAYERS - 1)]  # (L_d, L_i), incl. L_d = 1 and L_i = L_f - 1
-NEW = 24
-
-
-@pytest.fixture(scope="module")
-def references(tiny_models):
-    return {(a, n): tiny_models[a].hf_generate(p, NEW) for a in ARCHS for n, p in PROMPTS.items()}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -73,25 +68,10 @@ def test_batch_rows_decoded_independently(hispec_models, references):
     assert as_tensor.sequences == [references["llama", 5]] * 2
 
 
-def _identity_above(draft_layer: int):
-    """Zero every layer's output projections from ``draft_layer`` up: the upper layers become the
-    identity, so the draft exit equals the final prediction and every draft must be accepted."""
-
-    def mutate(model):
-        for layer in model.base_model.layers[draft_layer:] if hasattr(model.base_model, "layers") else model.model.decoder.layers[draft_layer:]:
-            outs = [layer.self_attn.o_proj, layer.mlp.down_proj] if hasattr(layer, "mlp") else [layer.self_attn.out_proj, layer.fc2]
-            for lin in outs:
-                lin.weight.zero_()
-                if lin.bias is not None:
-                    lin.bias.zero_()
-
-    return mutate
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "opt"])
 @pytest.mark.parametrize("head_type", [None, "deep_context"])
 def test_exits_that_accept_everything(arch, head_type, tmp_path):
-    tiny = save_tiny(arch, tmp_path / "base", mutate=_identity_above(1))
+    tiny = save_tiny(arch, tmp_path / "base", mutate=identity_above(1))
     model = tiny.load()
     if head_type is not None:  # fresh heads reproduce the base's exits: every draft is still right
         specs = [ExitSpec(1, "draft", head_type), ExitSpec(3, "intermediate", head_type)]
@@ -108,15 +88,6 @@ def test_exits_that_accept_everything(arch, head_type, tmp_path):
         assert hi.stats["calls_full"] < NEW / 4
 
 
-def _zero_head(head):
-    """h + W h with W = -I: the head sees a zero hidden state, so it always proposes one fixed token
-    (a deep-context head also ignores its context: U = 0)."""
-    with torch.no_grad():
-        head.proj.weight.copy_(-torch.eye(head.proj.weight.shape[0]))
-        if hasattr(head, "ctx"):
-            head.ctx.weight.zero_()
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("head_type", ["residual_linear", "deep_context"])
 def test_exits_that_reject_almost_everything(arch, head_type, hispec_models, tiny_models, references, tmp_path):
@@ -126,7 +97,7 @@ def test_exits_that_reject_almost_everything(arch, head_type, hispec_models, tin
         adapter = HiSpecAdapter.create(model.decoder, str(tiny_models[arch].path), specs)
         for spec in specs:
             if spec.role in roles:
-                _zero_head(adapter.head(spec.layer))
+                zero_head(adapter.head(spec.layer))
         adapter.save_pretrained(tmp_path / "-".join(roles))
         with_heads = tiny_models[arch].load(heads=str(tmp_path / "-".join(roles)))
         for n, prompt in PROMPTS.items():

@@ -17,7 +17,8 @@ from hispec_train import selfdistill, store
 from hispec_train.selfdistill import MANIFEST_NAME, SelfDistillConfig, generate
 from hispec_train.store import STORE_MANIFEST, StoreConfig, StoreManifest, build_store
 
-from conftest import PROMPTS, every_kill_point, make_run_dir
+from conftest import TEXT_PROMPTS as PROMPTS
+from conftest import every_kill_point, make_run_dir
 
 MAX_TOKENS = 10**6  # no cap: every planned answer
 

@@ -35,7 +35,7 @@ def test_python_blocks_run(trainable_base, monkeypatch, capsys):
     for code in blocks:
         server = None
         if "http://127.0.0.1:8000" in code:  # the hispec-serve client example: against a live tiny server
-            from test_serve import LiveServer
+            from conftest import LiveServer
 
             from hispec_decode.models.loading import DEFAULT_BASE_NAME
             from hispec_decode.serving import ServerConfig
@@ -47,7 +47,13 @@ def test_python_blocks_run(trainable_base, monkeypatch, capsys):
         finally:
             if server is not None:
                 server.close()
-    assert capsys.readouterr().out  # the streaming example printed what it committed
+    # the streaming example printed each committed chunk as "request_id [tokens] finished"
+    lines = [m.groups() for m in re.finditer(r"^(\d+) \[([\d, ]*)\] (True|False)$", capsys.readouterr().out, re.M)]
+    assert lines, "the streaming example printed nothing it committed"
+    assert len({rid for rid, _, _ in lines}) == 1 and [f for _, _, f in lines].count("True") == 1
+    assert lines[-1][2] == "True", "the stream ends with the finished request"
+    tokens = [int(t) for _, chunk, _ in lines for t in chunk.split(",") if t.strip()]
+    assert 1 <= len(tokens) <= 64  # max_new_tokens of the example's request
 
 
 def _commands() -> list[list[str]]:

@@ -12,14 +12,13 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hispec_decode import HiSpecModel
 from hispec_decode.decoding.sampling import SamplingParams, TokenSampler, acceptance_probability, residual, warp
+
+from conftest import BATCH_PROMPTS, SAMPLE_PROMPT, chi_square, chi_square_critical, exact_two_token_distribution
 
 
 def _stage(proposal: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -49,21 +48,6 @@ def test_two_stage_rule_is_exact(case):
     assert torch.allclose(_stage(p_f, p_f), p_f)  # identical distributions: all accepted
 
 
-def _chi_square_critical(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: 99.9%)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def _chi_square(counts: dict, expected: dict, total: int) -> tuple[float, int]:
-    small = [k for k, p in expected.items() if p * total < 5]
-    cells = [(counts.get(k, 0), p * total) for k, p in expected.items() if k not in small]
-    cells.append((sum(counts.get(k, 0) for k in small), sum(expected[k] for k in small) * total))
-    unexpected = sum(c for k, c in counts.items() if k not in expected)
-    assert unexpected == 0, "sampled an outcome of probability zero"
-    stat = sum((o - e) ** 2 / e for o, e in cells if e > 0)
-    return stat, len(cells) - 1
-
-
 def test_verify_samples_target_distribution():
     vocab, draws = 5, 20000
     gen = torch.Generator().manual_seed(0)
@@ -77,8 +61,8 @@ def test_verify_samples_target_distribution():
         verdict = sampler.verify([x], q[None], target_logits)
         out = x if verdict.accepted else verdict.token
         counts[out] = counts.get(out, 0) + 1
-    stat, df = _chi_square(counts, {i: float(p[i]) for i in range(vocab)}, draws)
-    assert stat < _chi_square_critical(df)
+    stat, df = chi_square(counts, {i: float(p[i]) for i in range(vocab)}, draws)
+    assert stat < chi_square_critical(df)
 
 
 def test_warp_top_k_top_p():
@@ -88,39 +72,6 @@ def test_warp_top_k_top_p():
     nucleus = warp(logits, SamplingParams(True, top_p=float(probs[0] + 0.01)))[0]
     assert (nucleus[:2] > 0).all() and (nucleus[2:] == 0).all()  # smallest prefix with mass >= top_p
     assert torch.allclose(warp(logits, SamplingParams(True, temperature=0.5)), (logits / 0.5).softmax(-1))
-
-
-SAMPLE_PROMPT = [3, 1, 4]
-
-
-@pytest.fixture(scope="module")
-def small_vocab_model(tmp_path_factory):
-    torch.manual_seed(5)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=32, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=None)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    path = tmp_path_factory.mktemp("small-vocab")
-    model.save_pretrained(path)
-    return path, model
-
-
-def _exact_two_token_distribution(model, params: SamplingParams) -> dict[tuple[int, int], float]:
-    with torch.no_grad():
-        first = warp(model(torch.tensor([SAMPLE_PROMPT])).logits[0, -1:], params)[0]
-        dist = {}
-        for a in range(8):
-            if first[a] == 0:
-                continue
-            second = warp(model(torch.tensor([SAMPLE_PROMPT + [a]])).logits[0, -1:], params)[0]
-            for b in range(8):
-                if second[b] > 0:
-                    dist[a, b] = float(first[a] * second[b])
-    return dist
 
 
 @pytest.mark.parametrize("params", [SamplingParams(True), SamplingParams(True, temperature=0.7, top_k=5, top_p=0.9)])
@@ -140,8 +91,8 @@ def test_end_to_end_samples_follow_base_distribution(small_vocab_model, params, 
     counts: dict[tuple[int, int], int] = {}
     for seq in out.sequences:
         counts[tuple(seq[:2])] = counts.get(tuple(seq[:2]), 0) + 1
-    stat, df = _chi_square(counts, _exact_two_token_distribution(reference, params), draws)
-    assert stat < _chi_square_critical(df), (stat, df)
+    stat, df = chi_square(counts, exact_two_token_distribution(reference, params), draws)
+    assert stat < chi_square_critical(df), (stat, df)
 
 
 def test_seed_makes_sampling_reproducible(small_vocab_model):
@@ -172,31 +123,29 @@ def test_reduced_exit_vocabulary_keeps_the_distribution(small_vocab_model, metho
     counts: dict[tuple[int, int], int] = {}
     for seq in out.sequences:
         counts[tuple(seq[:2])] = counts.get(tuple(seq[:2]), 0) + 1
-    expected = _exact_two_token_distribution(reference, params)
+    expected = exact_two_token_distribution(reference, params)
     assert sum(p for (a, _), p in expected.items() if a not in (1, 4, 6)) > 0.2  # the restriction matters
-    stat, df = _chi_square(counts, expected, draws)
-    assert stat < _chi_square_critical(df), (stat, df)
+    stat, df = chi_square(counts, expected, draws)
+    assert stat < chi_square_critical(df), (stat, df)
 
 
 # -- drafter-invariant sampling (Gumbel-max keyed to seed and position) -----------------------------
 def test_drafter_invariant_samples_are_the_same_text_for_every_method_policy_and_batch(hispec_models):
     """fp32: a seeded sample does not depend on how it was decoded (default sampling does)."""
-    from test_batching import PROMPTS
-
     model = hispec_models["llama"]
     kwargs = dict(max_new_tokens=16, do_sample=True, temperature=0.9, top_p=0.95, seed=11, drafter_invariant=True)
     alone = [model.generate([p], method="autoregressive", **(kwargs | {"seed": 11 + i})).sequences[0]
-             for i, p in enumerate(PROMPTS[:5])]
+             for i, p in enumerate(BATCH_PROMPTS[:5])]
     policies = [("autoregressive", {}), ("self_spec", dict(draft_layer=1, num_draft=3)),
                 ("self_spec", dict(draft_layer=3, num_draft=1, draft_threshold=0.3)),
                 ("hispec", dict(draft_layer=1, verify_layer=3, window=4, num_draft=2)),
                 ("hispec", dict(draft_layer=2, verify_layer=4, window=8, num_draft=1, verify_threshold=0.2))]
     for method, policy in policies:
         for b in (1, 2, 5):
-            assert model.generate(PROMPTS[:b], method=method, **policy, **kwargs).sequences == alone[:b], (method, policy, b)
-    preempted = model.generate(PROMPTS[:5], method="hispec", **kwargs, num_blocks=6)
+            assert model.generate(BATCH_PROMPTS[:b], method=method, **policy, **kwargs).sequences == alone[:b], (method, policy, b)
+    preempted = model.generate(BATCH_PROMPTS[:5], method="hispec", **kwargs, num_blocks=6)
     assert preempted.sequences == alone and preempted.stats["preemptions"] > 0
-    default = [model.generate(PROMPTS[:5], method=m, **p, **(kwargs | {"drafter_invariant": False})).sequences
+    default = [model.generate(BATCH_PROMPTS[:5], method=m, **p, **(kwargs | {"drafter_invariant": False})).sequences
                for m, p in policies]
     assert any(d != default[0] for d in default[1:])  # the teeth: rejection sampling's text depends on the method
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import re
 import signal
 import socket
 import subprocess
@@ -23,64 +22,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import uvicorn
 from openai import AsyncOpenAI, OpenAI
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from conftest import COMMON, LLAMA_LIKE, save_char_tokenizer
+from conftest import COMMON, LLAMA_LIKE, SERVED_MODEL, LiveServer, save_char_tokenizer
 from hispec_decode import HiSpecModel
-from hispec_decode.serving import ServerConfig, build_app
+from hispec_decode.serving import ServerConfig
 from hispec_decode.tools.bench_serve import free_port
 
-MODEL = "tiny-chat"
+MODEL = SERVED_MODEL
 KEY = "sk-test"
-
-
-class LiveServer:
-    """A uvicorn server on a free port, in a thread of this process."""
-
-    def __init__(self, model: HiSpecModel, config: ServerConfig | None = None, **engine_overrides) -> None:
-        self.model = model
-        self.config = config or ServerConfig(MODEL)
-        self.app = build_app(model, model.serve(**engine_overrides), self.config)
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def client(self, **kwargs) -> OpenAI:
-        return OpenAI(base_url=self.url + "/v1", api_key=self.config.api_key or "none", max_retries=0, **kwargs)
-
-    def request(self, method: str, path: str, body: bytes | str | dict | None = None,
-                headers: dict | None = None) -> tuple[int, dict | str]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        data = json.dumps(body) if isinstance(body, dict) else body
-        hdrs = {"Content-Type": "application/json"}
-        if self.config.api_key:
-            hdrs["Authorization"] = f"Bearer {self.config.api_key}"
-        conn.request(method, path, data, hdrs | (headers or {}))
-        resp = conn.getresponse()
-        text = resp.read().decode()
-        conn.close()
-        try:
-            return resp.status, json.loads(text)
-        except json.JSONDecodeError:
-            return resp.status, text
-
-    def metric(self, name: str) -> float:
-        _, text = self.request("GET", "/metrics")
-        match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-        assert match, f"{name} not in /metrics"
-        return float(match.group(1))
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 def save_chat_llama(path: Path, context: int = 128) -> Path:

@@ -20,7 +20,7 @@ from hispec_train.store_data import FeatureStore
 from hispec_train.trainer import base_forward, train
 from hispec_train.vocab import exit_vocabulary
 
-from conftest import PROMPTS
+from conftest import TEXT_PROMPTS as PROMPTS
 
 def _distill_cfg(base: Path, prompts: Path, out: Path, **kw) -> SelfDistillConfig:
     keys = dict(out=str(out), base=str(base), dtype="float32", prompts=[str(prompts)], max_tokens=400,

@@ -205,11 +205,7 @@ class TokenSampler:
         """
         n = len(candidates)
         if self.greedy:
-            best = target_logits.argmax(-1).tolist()
-            j = 0
-            while j < n and candidates[j] == best[j]:
-                j += 1
-            return Verdict(j, best[j], None)
+            return greedy_verdict(candidates, target_logits.argmax(-1).tolist())
         p = self.probs(target_logits)
         if self.gumbel:  # the target's own Gumbel choice at each position, up to the first disagreement
             j = 0
@@ -229,6 +225,15 @@ class TokenSampler:
                 j = int(rejected[0])
         token = self._draw(residual(p[j], proposal[j]) if j < n else p[j])
         return Verdict(j, token, p)
+
+
+def greedy_verdict(candidates: list[int], best: list[int]) -> Verdict:
+    """Greedy verification: candidates are accepted while each equals the target's choice ``best[j]``
+    at its position; the target's choice at the first disagreement (or after the last) follows."""
+    j = 0
+    while j < len(candidates) and candidates[j] == best[j]:
+        j += 1
+    return Verdict(j, best[j], None)
 
 
 def _mix(seed: int, position: int) -> int:

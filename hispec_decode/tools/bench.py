@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ..config import GenerationConfig
 from ..data.prompts import CHAT_FREE, CHAT_PROMPTS, PROMPT_SETS, encode_prompt, prompt_set
+from ..engine.block_manager import DEFAULT_BLOCK_SIZE
 from ..engine.model_runner import BandRequest
 from ..engine.sequence import Counters, Sequence
 from ..errors import HiSpecError
@@ -78,7 +79,7 @@ def verification_wall(model, policy, prompt: list[int], reps: int = 10) -> dict[
     """Median seconds of a single-token draft pass (layers 0..L_d plus the draft exit), a
     single-token full pass, and a full pass over ``window + 1`` tokens (a verification)."""
     runner = model.runner
-    cache = runner.new_cache(-(-(len(prompt) + policy.window + 1) // 16) + 1)
+    cache = runner.new_cache(-(-(len(prompt) + policy.window + 1) // DEFAULT_BLOCK_SIZE) + 1)
     seq = Sequence(0, prompt, cache, (policy.draft_layer, model.num_layers))
     seq.allocate()
     runner.advance([BandRequest(seq, 1, 1)])

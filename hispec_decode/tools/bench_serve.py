@@ -395,7 +395,7 @@ def _vocab_size(target: Target) -> int:
     """The served model's vocabulary size (hispec-serve's model card has it)."""
     size = target.get(f"/v1/models/{target.model}").get("vocab_size")
     if not isinstance(size, int):
-        raise HiSpecError(f"the server's model card gives no vocab_size; --random-input-len needs it")
+        raise HiSpecError("the server's model card gives no vocab_size; --random-input-len needs it")
     return size
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.block_manager import DEFAULT_BLOCK_SIZE
 from ..engine.model_runner import ModelRunner
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # rows of one sequence (a speculative pass)
@@ -86,7 +87,8 @@ def measure_costs(runner: ModelRunner, exit_layers: list[int], reps: int = 7) ->
     """Time band passes of 1 and all layers over the row and sequence grids, and each exit head."""
     decoder = runner.decoder
     n = decoder.num_layers
-    cache = runner.new_cache(max(SEQS) * (CONTEXT + max(ROWS)) // 16 + max(SEQS) + 8, 16)
+    size = DEFAULT_BLOCK_SIZE
+    cache = runner.new_cache(max(SEQS) * (CONTEXT + max(ROWS)) // size + max(SEQS) + 8, size)
     g = torch.Generator().manual_seed(0)
     for s in range(max(SEQS)):
         cache.manager.add(s, 1)

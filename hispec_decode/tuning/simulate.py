@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..decoding.policy import Policy
-from ..decoding.sampling import Verdict
+from ..decoding.sampling import Verdict, greedy_verdict
 from ..decoding.strategies import STRATEGIES, run_alone
-from ..engine.block_manager import BlockManager
+from ..engine.block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from ..engine.model_runner import BandRequest, ModelRunner
 from ..engine.sequence import Counters, Sequence
 from .costs import CostModel
@@ -90,16 +90,12 @@ class _Sampler:
 
     def verify(self, candidates: list[int], proposal: None, target_logits: torch.Tensor,
                position: int | None = None) -> Verdict:
-        best = [int(t) for t in target_logits[:, 0]]
-        j = 0
-        while j < len(candidates) and candidates[j] == best[j]:
-            j += 1
-        return Verdict(j, best[j], None)
+        return greedy_verdict(candidates, [int(t) for t in target_logits[:, 0]])
 
 
 class _Cache:
     def __init__(self) -> None:
-        self.manager = BlockManager(4096, 16)
+        self.manager = BlockManager(4096, DEFAULT_BLOCK_SIZE)
 
 
 class _Runner:
