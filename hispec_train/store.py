@@ -303,9 +303,7 @@ def build_store(cfg: StoreConfig) -> StoreManifest:
         for index, shard in enumerate(plan[split]):
             if index in done[split]:
                 continue  # written before a resume
-            name = SHARD_NAME.format(split=split, index=index)
-            if (out / name).exists():
-                raise HiSpecError(f"refusing to overwrite {out / name}, which this run did not write")
+            name = SHARD_NAME.format(split=split, index=index)  # checked missing above, or a new store
             tensors = shard_features(inner, [seqs[i] for i in shard], cfg.layers, cfg.batch_tokens, dtype, decoder.device)
             with atomic_file(out / name) as tmp:
                 save_file(tensors, str(tmp), metadata={"format": "pt"})

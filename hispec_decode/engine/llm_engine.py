@@ -141,14 +141,16 @@ class LLMEngine:
         served, requests = [], []
         for seq in batch:
             backlog = seq.committed - seq.processed(0)  # at most 1 while decoding: the newest committed token
-            if backlog <= 1 or backlog <= budget:
-                budget -= backlog if backlog > 1 else 0
-                served.append(seq)
-                requests.append(seq.request)
-            elif budget > 0:
-                served.append(seq)
-                requests.append(BandRequest(seq, len(seq.exits) - 1, 0, upto=seq.processed(0) + budget))
-                budget = 0
+            if backlog > 1 and backlog > budget:  # a prefill that does not fit: its next chunk, if budget is left
+                if budget > 0:
+                    served.append(seq)
+                    requests.append(BandRequest(seq, len(seq.exits) - 1, 0, upto=seq.processed(0) + budget))
+                    budget = 0
+                continue
+            if backlog > 1:  # a prefill that fits
+                budget -= backlog
+            served.append(seq)
+            requests.append(seq.request)
         return served, requests
 
     def stream(self) -> Iterator[StepOutput]:

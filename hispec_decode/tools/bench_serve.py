@@ -60,7 +60,7 @@ class Result:
 
 @dataclass(frozen=True)
 class Load:
-    """What each request asks for: the prompt source, the endpoint, ``ignore_eos``."""
+    """What each request asks for: its token limit, the endpoint of text prompts, ``ignore_eos``."""
 
     max_tokens: int
     endpoint: str = "chat"  # or "completions"
@@ -73,7 +73,8 @@ class Target:
     def __init__(self, url: str, api_key: str | None = None) -> None:
         u = urlparse(url)
         self.host, self.port, self.api_key = u.hostname or "127.0.0.1", u.port or 80, api_key
-        self.model = self.get("/v1/models")["data"][0]["id"]
+        self.card = self.get("/v1/models")["data"][0]  # OpenAI's model object (hispec-serve adds vocab_size)
+        self.model = self.card["id"]
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -91,10 +92,9 @@ class Target:
             raise HiSpecError(f"GET {path} answered {resp.status}: {body[:200]!r}")
         return json.loads(body)
 
-    def chat(self, prompt: str | list[int], max_tokens: int | Load) -> Result:
+    def chat(self, prompt: str | list[int], load: Load) -> Result:
         """One streamed greedy request (chat for a text prompt, unless the load says completions;
         token ids always go to /v1/completions), timed chunk by chunk."""
-        load = max_tokens if isinstance(max_tokens, Load) else Load(max_tokens)
         body: dict[str, Any] = {"model": self.model, "max_tokens": load.max_tokens, "temperature": 0, "stream": True,
                                 "return_token_ids": True}
         if load.ignore_eos:
@@ -171,7 +171,7 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[
 
 
 def run_level(target: Target, prompts: list[str] | list[list[int]], concurrency: int, num_requests: int,
-              max_tokens: int | Load, time_limit: float) -> dict[str, Any]:
+              load: Load, time_limit: float) -> dict[str, Any]:
     """``concurrency`` clients send requests (prompts in turn) until ``num_requests`` or ``time_limit``."""
     results: list[Result] = []
     lock, counter = threading.Lock(), iter(range(num_requests))
@@ -184,7 +184,7 @@ def run_level(target: Target, prompts: list[str] | list[list[int]], concurrency:
                 i = next(counter, None)
             if i is None:
                 return
-            r = target.chat(prompts[i % len(prompts)], max_tokens)
+            r = target.chat(prompts[i % len(prompts)], load)
             with lock:
                 results.append(r)
                 bar.update()
@@ -254,7 +254,7 @@ def stop(proc: subprocess.Popen) -> None:
 def generate_overhead(model: Any, target: Target, prompts: list[str], method: str, max_tokens: int) -> dict[str, Any]:
     """Concurrency 1, prompt by prompt: the server's streamed tokens/s over ``model.generate``'s."""
     model.generate([encode_prompt(model.tokenizer, prompts[0])], max_new_tokens=4, method=method)  # warm-up
-    target.chat(prompts[0], 4)
+    target.chat(prompts[0], Load(4))
     tokens = {"http": 0, "generate": 0}
     seconds = {"http": 0.0, "generate": 0.0}
     equal = 0
@@ -263,7 +263,7 @@ def generate_overhead(model: Any, target: Target, prompts: list[str], method: st
         out = model.generate([encode_prompt(model.tokenizer, text)], max_new_tokens=max_tokens, method=method)
         seconds["generate"] += time.perf_counter() - t0
         tokens["generate"] += len(out.sequences[0])
-        r = target.chat(text, max_tokens)
+        r = target.chat(text, Load(max_tokens))
         if not r.ok:
             raise HiSpecError(f"request failed: {r.error}")
         seconds["http"] += r.latency
@@ -362,10 +362,12 @@ def _run(args: argparse.Namespace) -> int:
             target = Target(url, args.api_key)
             results["model"] = target.model
             name = method or url
-            if args.random_input_len:  # the server's vocabulary, from the ids it returns for a text prompt
-                vocab = _vocab_size(target)
+            if args.random_input_len:
+                vocab = target.card.get("vocab_size")
+                if not isinstance(vocab, int):
+                    raise HiSpecError("the server's model card gives no vocab_size; --random-input-len needs it")
                 prompts = random_prompts(args.num_prompts, args.random_input_len, vocab)
-            target.chat(prompts[0], 4)  # warm-up
+            target.chat(prompts[0], Load(4))  # warm-up
             levels = []
             for c in args.concurrency:
                 level = run_level(target, prompts, c, args.requests or max(8, 4 * c), load, args.time_limit)
@@ -389,14 +391,6 @@ def _run(args: argparse.Namespace) -> int:
         plot(results, args.plot)
     print(_table(results))
     return 0
-
-
-def _vocab_size(target: Target) -> int:
-    """The served model's vocabulary size (hispec-serve's model card has it)."""
-    size = target.get(f"/v1/models/{target.model}").get("vocab_size")
-    if not isinstance(size, int):
-        raise HiSpecError("the server's model card gives no vocab_size; --random-input-len needs it")
-    return size
 
 
 def _table(results: dict[str, Any]) -> str:
