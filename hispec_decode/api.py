@@ -1,4 +1,4 @@
-"""``HiSpecModel``: a base model plus optional exit heads; ``from_pretrained``, ``generate``, ``serve``."""
+"""``HiSpecModel``: a base model plus optional exit heads; ``from_pretrained``, ``generate``, ``build_engine``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from .adapter import HiSpecAdapter, compute_fingerprint
-from .config import EngineConfig, GenerationConfig, checked, split_overrides
+from .config import SPECULATIVE_FIELDS, EngineConfig, SpeculativeConfig, checked, split_overrides, unknown_arguments
 from .decoding.policy import Policy, resolve_policy
 from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
@@ -20,6 +20,7 @@ from .errors import AdapterError
 from .inputs import prompt_rows
 from .models import DecoderModel, LoadedBase, decoder_for, load_base
 from .outputs import GenerateOutput, generation_stats
+from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,6 @@ class HiSpecModel:
         if adapter is not None:
             heads = {int(k): h.to(decoder.dtype).eval().requires_grad_(False) for k, h in adapter.heads.items()}
         self.runner = ModelRunner(decoder, heads)
-        self.generation_config = GenerationConfig()  # defaults of generate and serve
 
     @classmethod
     def from_pretrained(
@@ -88,49 +88,57 @@ class HiSpecModel:
     def num_layers(self) -> int:
         return self.decoder.num_layers
 
-    def policy(self, generation_config: GenerationConfig | None = None, **overrides: Any) -> Policy:
-        """The exits and windows a config resolves to on this model (the adapter's roles first)."""
-        config = checked(generation_config or self.generation_config, GenerationConfig, "generation_config")
-        config = config.update(**overrides)
+    def policy(self, speculative_config: SpeculativeConfig | None = None, **overrides: Any) -> Policy:
+        """The exits and windows a speculative config resolves to on this model (the adapter's
+        tuned policy and roles fill what it leaves open)."""
+        config = checked(speculative_config, SpeculativeConfig, "speculative_config")
+        if set(overrides) - SPECULATIVE_FIELDS:
+            raise unknown_arguments(set(overrides) - SPECULATIVE_FIELDS, SPECULATIVE_FIELDS, "speculative")
+        config = dataclasses.replace(config, **overrides) if overrides else config
         roles, tuned = {}, None
         if self.adapter is not None:
             roles = {r: self.adapter.config.layer_for(r) for r in ("draft", "intermediate")}
             tuned = self.adapter.config.tuned_policy(config.method, self.decoder.dtype)
         return resolve_policy(config, self.num_layers, roles, tuned)
 
-    def serve(self, generation_config: GenerationConfig | None = None, engine_config: EngineConfig | None = None,
-              **overrides: Any) -> LLMEngine:
+    def build_engine(self, speculative_config: SpeculativeConfig | None = None, engine_config: EngineConfig | None = None,
+                     *, sampling_params: SamplingParams | None = None, **overrides: Any) -> LLMEngine:
         """A continuous-batching engine (``add_request`` / ``step`` / ``stream`` / ``abort``) over a
-        paged KV cache (``num_blocks`` blocks of ``block_size`` tokens, default 1024 x 16). The
-        method and policy are fixed for its requests; sampling fields are per-request defaults."""
-        config, engine = split_overrides(generation_config or self.generation_config, engine_config, overrides)
-        policy = self.policy(config)
-        runner = self.runner
-        if not config.use_exit_vocab:
-            runner = ModelRunner(self.decoder, self.runner.heads, use_exit_vocab=False)
-        return LLMEngine(runner, config, policy, engine)
+        paged KV cache (``num_blocks`` blocks of ``block_size`` tokens, default 1024 x 16). Its
+        method and policy are fixed; ``sampling_params`` is the default of requests that bring none.
+        Keyword ``overrides`` set fields of any of the three, e.g. ``build_engine(method="hispec",
+        num_blocks=256, max_new_tokens=32)``. ``hispec-serve`` puts an HTTP server in front of one."""
+        sampling, speculative, engine = split_overrides(sampling_params, speculative_config, engine_config, overrides)
+        return self._engine(speculative, engine, sampling)
 
-    def generate(self, input_ids: torch.Tensor | Sequence[Sequence[int]], generation_config: GenerationConfig | None = None,
-                 engine_config: EngineConfig | None = None, **overrides: Any) -> GenerateOutput:
+    def _engine(self, speculative: SpeculativeConfig, engine: EngineConfig, sampling: SamplingParams) -> LLMEngine:
+        runner = self.runner
+        if not speculative.use_exit_vocab:
+            runner = ModelRunner(self.decoder, self.runner.heads, use_exit_vocab=False)
+        return LLMEngine(runner, speculative, self.policy(speculative), engine, sampling)
+
+    def generate(self, input_ids: torch.Tensor | Sequence[Sequence[int]], sampling_params: SamplingParams | None = None,
+                 speculative_config: SpeculativeConfig | None = None, engine_config: EngineConfig | None = None,
+                 **overrides: Any) -> GenerateOutput:
         """Decode all rows as one continuous batch (prompts may differ in length; each row
         accepts its own number of tokens). Greedy output equals the base model's, sampled output
-        is distributed as it. Keyword ``overrides`` set fields of either config, e.g.
+        is distributed as it. Keyword ``overrides`` set fields of any of the three settings, e.g.
         ``generate(ids, max_new_tokens=24, method="self_spec", num_blocks=64)``. ``num_blocks``
         (default: enough for every row) sizes the paged KV cache; a smaller cache preempts and
         recomputes rows, never changing a token. Row ``i`` samples with seed ``seed + i``."""
-        config, engine = split_overrides(generation_config or self.generation_config, engine_config, overrides)
+        sampling, speculative, engine = split_overrides(sampling_params, speculative_config, engine_config, overrides)
         rows = prompt_rows(input_ids, self.decoder.vocab_size, self.decoder.max_positions)
         if engine.num_blocks is None:
             context, size = self.decoder.max_positions, engine.block_size
-            blocks = sum(-(-min(len(r) + config.max_new_tokens, context) // size) for r in rows)
+            blocks = sum(-(-min(len(r) + sampling.max_new_tokens, context) // size) for r in rows)
             engine = dataclasses.replace(engine, num_blocks=blocks)
-        server = self.serve(config, engine)
+        server = self._engine(speculative, engine, sampling)
         t0 = time.perf_counter()
-        ids = [server.add_request(r, seed=None if config.seed is None else (config.seed + i) % 2**63)
+        seed = sampling.seed
+        ids = [server.add_request(r, sampling if seed is None else sampling.replace(seed=(seed + i) % 2**63))
                for i, r in enumerate(rows)]
         while server.has_unfinished():
             server.step()
         seconds = time.perf_counter() - t0
         seqs = [server.sequences[i] for i in ids]
         return GenerateOutput([s.new_tokens for s in seqs], generation_stats(server, seqs, seconds), seqs)
-

@@ -26,7 +26,7 @@ def generation_stats(engine: LLMEngine, seqs: list[Sequence], seconds: float) ->
     c = Counters()
     for seq in seqs:
         c.add(seq.counters)
-    method, policy = engine.config.method, engine.policy
+    method, policy = engine.method, engine.policy
     new = sum(len(s.new_tokens) for s in seqs)
     bytes_per_token = engine.cache.bytes_per_token()
     return {

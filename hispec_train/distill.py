@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from hispec_decode.models import DecoderModel
-from hispec_decode.layers.exit_heads import ExitHead
+from hispec_decode.models.exit_heads import ExitHead
 
 
 @dataclass

@@ -190,8 +190,9 @@ def generate(cfg: SelfDistillConfig) -> Path:
     Everything is checked (arguments, prompt sources, ``--out``, the model) before ``--overwrite``
     removes the old data set or anything is written."""
     from hispec_decode import HiSpecModel
-    from hispec_decode.config import EngineConfig
-    from hispec_decode.engine.block_manager import DEFAULT_BLOCK_SIZE
+    from hispec_decode.cache.block_manager import DEFAULT_BLOCK_SIZE
+    from hispec_decode import SamplingParams
+    from hispec_decode.config import EngineConfig, SpeculativeConfig
 
     if not 0 < cfg.top_p <= 1 or not cfg.temperature > 0:
         raise HiSpecError("--temperature must be > 0 and --top-p in (0, 1]")
@@ -215,8 +216,8 @@ def generate(cfg: SelfDistillConfig) -> Path:
         remove_tree(out)
     out.mkdir(parents=True, exist_ok=True)
     per_seq = -(-(cfg.max_prompt_tokens + cfg.max_new_tokens) // DEFAULT_BLOCK_SIZE)
-    engine = model.serve(method="autoregressive", max_new_tokens=cfg.max_new_tokens,
-                         engine_config=EngineConfig(num_blocks=per_seq * cfg.batch_size + 1))
+    engine = model.build_engine(SpeculativeConfig(method="autoregressive"),
+                                EngineConfig(num_blocks=per_seq * cfg.batch_size + 1))
     manifest = {"config": asdict(cfg), "base": model.base_name, "jobs_planned": len(plan), "plan_digest": digest}
     if before is not None:
         manifest["skipped_long_prompts"] = before.get("skipped_long_prompts", 0)
@@ -251,8 +252,9 @@ def generate(cfg: SelfDistillConfig) -> Path:
             if len(ids) > cfg.max_prompt_tokens:
                 skipped += 1
                 continue
-            rid = engine.add_request(ids, do_sample=job.do_sample, temperature=cfg.temperature, top_p=cfg.top_p,
-                                     seed=cfg.seed * 1_000_003 + job.job)
+            rid = engine.add_request(ids, SamplingParams(
+                max_new_tokens=cfg.max_new_tokens, do_sample=job.do_sample, temperature=cfg.temperature,
+                top_p=cfg.top_p, seed=cfg.seed * 1_000_003 + job.job))
             pending[rid] = job
             budget -= cfg.max_new_tokens // 2
 

@@ -24,7 +24,7 @@ from hispec_decode.adapter import ExitSpec, HiSpecAdapter
 from hispec_decode.adapter.fingerprint import compute_fingerprint
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import check_writable, remove_tree, write_text
-from hispec_decode.layers.exit_heads import BaseExitHead
+from hispec_decode.models.exit_heads import BaseExitHead
 from hispec_decode.models import DecoderModel, decoder_for, load_base
 
 from .checkpoint import CHECKPOINT_DIR, checkpoint_step, load_heads, load_optimizer, save_checkpoint

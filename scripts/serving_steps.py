@@ -25,7 +25,7 @@ def main() -> None:
     method = sys.argv[1] if len(sys.argv) > 1 else "autoregressive"
     chunk = int(sys.argv[2]) if len(sys.argv) > 2 else None
     model = HiSpecModel.from_pretrained(dtype="bfloat16")
-    engine = model.serve(method=method, max_new_tokens=64, num_blocks=512, max_num_seqs=16, prefill_chunk=chunk)
+    engine = model.build_engine(method=method, max_new_tokens=64, num_blocks=512, max_num_seqs=16, prefill_chunk=chunk)
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, model.decoder.vocab_size - 1) for _ in range(64)] for _ in range(32)]
     engine.add_request(prompts[0][:8], max_new_tokens=4, eos_token_id=())  # warm-up

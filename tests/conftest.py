@@ -320,7 +320,7 @@ class LiveServer:
 
         self.model = model
         self.config = config or ServerConfig(SERVED_MODEL)
-        self.app = build_app(model, model.serve(**engine_overrides), self.config)
+        self.app = build_app(model, model.build_engine(**engine_overrides), self.config)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

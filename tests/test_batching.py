@@ -108,7 +108,7 @@ def test_cache_that_cannot_hold_one_sequence_fails_clearly(hispec_models):
     model = hispec_models["llama"]
     with pytest.raises(OutOfBlocksError, match="cannot fit a KV cache of 3 blocks"):
         model.generate([PROMPTS[5]], max_new_tokens=40, num_blocks=3, block_size=8)
-    server = model.serve(method="hispec", num_blocks=4, block_size=8)
+    server = model.build_engine(method="hispec", num_blocks=4, block_size=8)
     server.add_request(PROMPTS[0], max_new_tokens=8)
     with pytest.raises(OutOfBlocksError, match="raise num_blocks"):  # refused up front; the queue is untouched
         server.add_request(PROMPTS[5], max_new_tokens=20)
@@ -123,7 +123,7 @@ def test_gather_schedule_gives_the_same_tokens_as_alone(method, hispec_models, a
 
 def test_continuous_batching_streams_and_frees_blocks(hispec_models, alone):
     model = hispec_models["llama"]
-    server = model.serve(method="hispec", num_blocks=64, block_size=4, **POLICY)
+    server = model.build_engine(method="hispec", num_blocks=64, block_size=4, **POLICY)
     ids = [server.add_request(p, max_new_tokens=NEW) for p in PROMPTS[:3]]
     streamed: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     finished = []
@@ -154,7 +154,7 @@ def test_sampled_batch_rows_follow_their_own_seeds(hispec_models):
 
 def test_gather_policy_does_not_starve_verification_under_steady_arrivals(hispec_models, alone):
     model = hispec_models["llama"]
-    server = model.serve(method="hispec", num_blocks=256, block_size=4, schedule="gather", **POLICY)
+    server = model.build_engine(method="hispec", num_blocks=256, block_size=4, schedule="gather", **POLICY)
     first = server.add_request(PROMPTS[0], max_new_tokens=NEW)
     committed: list[int] = []
     for step in range(40):
@@ -169,7 +169,7 @@ def test_gather_policy_does_not_starve_verification_under_steady_arrivals(hispec
 @pytest.mark.parametrize("method", METHODS)
 def test_max_num_seqs_caps_the_running_batch(method, hispec_models, alone):
     model = hispec_models["llama"]
-    server = model.serve(method=method, max_new_tokens=NEW, max_num_seqs=3, **_kwargs(method))
+    server = model.build_engine(method=method, max_new_tokens=NEW, max_num_seqs=3, **_kwargs(method))
     ids = [server.add_request(p) for p in PROMPTS[:8]]
     most = 0
     while server.has_unfinished():
@@ -189,7 +189,7 @@ def test_chunked_prefill_gives_the_same_tokens(arch, method, hispec_models, alon
 
 
 def test_chunked_prefill_spreads_a_prompt_over_steps_without_holding_decode_rows(hispec_models):
-    engine = hispec_models["llama"].serve(method="autoregressive", max_new_tokens=30, num_blocks=64, prefill_chunk=4)
+    engine = hispec_models["llama"].build_engine(method="autoregressive", max_new_tokens=30, num_blocks=64, prefill_chunk=4)
     first = engine.add_request(PROMPTS[0])  # one token: no chunks
     engine.step()
     assert engine.sequences[first].committed == 2
@@ -200,4 +200,4 @@ def test_chunked_prefill_spreads_a_prompt_over_steps_without_holding_decode_rows
         assert engine.sequences[second].processed(0) == min(4 * (step + 1), 20)
         assert engine.sequences[second].committed == 20 + (step == 4)
     with pytest.raises(Exception, match="prefill_chunk"):
-        hispec_models["llama"].serve(prefill_chunk=0)
+        hispec_models["llama"].build_engine(prefill_chunk=0)

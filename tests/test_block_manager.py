@@ -7,11 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hispec_decode import OutOfBlocksError
-from hispec_decode.engine.block_manager import BlockManager
+from hispec_decode.cache.block_manager import BlockManager
 
 BANDS = 3
 ops = st.lists(
-    st.tuples(st.sampled_from(["add", "grow", "band", "truncate", "fork", "free"]),
+    st.tuples(st.sampled_from(["add", "grow", "band", "truncate", "free"]),
               st.integers(0, 5), st.integers(0, 60), st.integers(0, BANDS - 1)),
     max_size=80,
 )
@@ -27,12 +27,11 @@ def test_random_operations_keep_invariants(operations, num_blocks, block_size):
         elif op == "grow" and seq in m.seqs:
             before = (list(m.table(seq)), m.num_free)
             try:
-                copies = m.reserve(seq, n)
+                m.reserve(seq, n)
             except OutOfBlocksError:
                 assert (m.table(seq), m.num_free) == before, "a failed reserve changes nothing"
                 continue
             assert len(m.table(seq)) >= m.blocks_for(n)
-            assert all(m.refcount[dst] == 1 for _, dst in copies)
             # writing bands 0..band up to n keeps lengths non-increasing
             for b in range(band + 1):
                 lengths = m.lengths(seq)
@@ -41,35 +40,15 @@ def test_random_operations_keep_invariants(operations, num_blocks, block_size):
             m.truncate(seq, n)
             assert all(x <= n for x in m.lengths(seq))
             assert len(m.table(seq)) == m.blocks_for(max(m.lengths(seq)))
-        elif op == "fork" and seq in m.seqs and (seq + 1) % 6 not in m.seqs:
-            m.fork(seq, (seq + 1) % 6)
-            assert m.table((seq + 1) % 6) == m.table(seq)
         elif op == "free" and seq in m.seqs:
             m.free(seq)
         m.check()
-        # a block held by k tables has reference count k
-        holders: dict[int, int] = {}
-        for table in (m.table(s) for s in m.seqs):
-            for b in table:
-                holders[b] = holders.get(b, 0) + 1
-        assert all(m.refcount[b] == c for b, c in holders.items())
+        held = sum(len(m.table(s)) for s in m.seqs)
+        assert held + m.num_free == num_blocks, "every block is free or held, never both"
     for seq in list(m.seqs):
         m.free(seq)
     m.check()
-    assert m.num_free == num_blocks and not any(m.refcount)
-
-
-def test_copy_on_write_gives_a_private_block_before_a_shared_one_is_written():
-    m = BlockManager(8, 4)
-    m.add(0, 1)
-    m.reserve(0, 6)
-    m.set_length(0, 0, 6)  # blocks: [full, half]
-    m.fork(0, 1)
-    assert m.refcount[m.table(0)[1]] == 2
-    copies = m.reserve(1, 7)  # the child writes position 6, inside the shared half block
-    assert copies == [(m.table(0)[1], m.table(1)[1])]
-    assert m.table(1)[0] == m.table(0)[0] and m.refcount[m.table(0)[0]] == 2  # the full block stays shared
-    m.check()
+    assert m.num_free == num_blocks
 
 
 def test_truncate_frees_whole_blocks_no_band_needs():

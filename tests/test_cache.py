@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hispec_decode.engine.model_runner import BandRequest, ModelRunner
-from hispec_decode.engine.sequence import Sequence
+from hispec_decode.engine.context_states import ContextStates
+from hispec_decode.engine.model_runner import ModelRunner
+from hispec_decode.engine.sequence import BandRequest, Sequence
 
 from conftest import ARCHS
 
@@ -25,7 +26,7 @@ def _band_of(layer: int, exits: tuple[int, ...]) -> int:
 def test_paged_cache_equals_fresh_forward(arch, method, hispec_models):
     model = hispec_models[arch]
     runner = model.runner
-    server = model.serve(method=method, num_blocks=64, block_size=4, draft_layer=2, verify_layer=4, window=3, num_draft=3)
+    server = model.build_engine(method=method, num_blocks=64, block_size=4, draft_layer=2, verify_layer=4, window=3, num_draft=3)
     server.add_request([5, 9, 2, 6, 5, 3], max_new_tokens=60)
     server.add_request([1, 2], max_new_tokens=60)  # a neighbour, so blocks interleave
     for steps in (3, 8, 13):
@@ -38,7 +39,7 @@ def test_paged_cache_equals_fresh_forward(arch, method, hispec_models):
         assert lengths[0] <= len(st.tokens)
 
         fresh = runner.new_cache(64, 4)
-        runner.advance([BandRequest(_allocated(Sequence(0, st.tokens, fresh, (model.num_layers,))), 0, 1)])
+        runner.advance([BandRequest(_allocated(Sequence(0, st.tokens, fresh.manager, (model.num_layers,))), 0, 1)], fresh)
         for layer in range(model.num_layers):
             n = lengths[_band_of(layer, st.exits)]
             k, v = server.cache.read(layer, server.cache.slots(st.seq_id, 0, n))
@@ -51,17 +52,17 @@ def test_pending_hidden_states_match_their_layers(hispec_models):
     model = hispec_models["llama"]
     runner = model.runner
     cache = runner.new_cache(16, 4)
-    st = _allocated(Sequence(0, [4, 8, 15, 16, 23, 42], cache, (2, 4, model.num_layers)))
-    runner.advance([BandRequest(st, 0, 1)])
+    st = _allocated(Sequence(0, [4, 8, 15, 16, 23, 42], cache.manager, (2, 4, model.num_layers)))
+    runner.advance([BandRequest(st, 0, 1)], cache)
     st.tokens += [7, 7, 7]  # three drafts, then an intermediate check, then a rejection of two
-    runner.advance([BandRequest(st, 1, 4)])
+    runner.advance([BandRequest(st, 1, 4)], cache)
     st.truncate(7)
     assert st.processed(0) == 7 and st.processed(1) == 7 and st.processed(2) == 0
     assert st.pending[0] is None and st.pending[1].shape[1] == 7
     assert len(cache.manager.table(0)) == 2  # 7 tokens in blocks of 4: the third block (tokens 8, 9) was freed
 
-    fresh = _allocated(Sequence(1, st.tokens, cache, (4, model.num_layers)))
-    runner.advance([BandRequest(fresh, 0, 1)])
+    fresh = _allocated(Sequence(1, st.tokens, cache.manager, (4, model.num_layers)))
+    runner.advance([BandRequest(fresh, 0, 1)], cache)
     assert torch.allclose(st.pending[1], fresh.pending[0], atol=1e-5)
 
 
@@ -85,11 +86,11 @@ def test_decoder_block_head_cache_equals_its_sequence_transform(arch, options, t
     runner = ModelRunner(model.decoder, {2: head.eval()})
     tokens = [4, 8, 15, 16, 23, 42, 7, 1, 9]
     cache = runner.new_cache(8, 4)
-    st = _allocated(Sequence(0, tokens[:5], cache, (2, model.num_layers)))
-    got = [runner.advance([BandRequest(st, 0, 5)])[0]]
+    st = _allocated(Sequence(0, tokens[:5], cache.manager, (2, model.num_layers)))
+    got = [runner.advance([BandRequest(st, 0, 5)], cache)[0]]
     for t in tokens[5:]:
         st.tokens.append(t)
-        got.append(runner.advance([BandRequest(st, 0, 1)])[0])
+        got.append(runner.advance([BandRequest(st, 0, 1)], cache)[0])
     inner = getattr(tiny.reference, tiny.reference.base_model_prefix)
     with torch.no_grad():
         h2 = inner(input_ids=torch.tensor([tokens]), output_hidden_states=True).hidden_states[2]
@@ -116,12 +117,12 @@ def test_deep_context_head_in_the_engine_equals_its_training_computation(arch, t
     runner = ModelRunner(model.decoder, {2: head})
     tokens = [4, 8, 15, 16, 23, 42, 7, 1]
     cache = runner.new_cache(8, 4)
-    st = _allocated(Sequence(0, tokens[:6], cache, (2, model.num_layers), limit=20))
-    runner.advance([BandRequest(st, 1, 1)])  # the full model over the prompt
+    st = _allocated(Sequence(0, tokens[:6], cache.manager, (2, model.num_layers), limit=20))
+    runner.advance([BandRequest(st, 1, 1)], cache)  # the full model over the prompt
     st.commit(6, Verdict(0, tokens[6], None))  # its token is committed (older states are pruned)
-    first = runner.advance([BandRequest(st, 0, 1)])[0]  # a draft at position 6: context = final state at 5
+    first = runner.advance([BandRequest(st, 0, 1)], cache)[0]  # a draft at position 6: context = final state at 5
     st.tokens.append(tokens[7])
-    second = runner.advance([BandRequest(st, 0, 1)])[0]  # position 7: context = its own output at 6
+    second = runner.advance([BandRequest(st, 0, 1)], cache)[0]  # position 7: context = its own output at 6
     inner = getattr(tiny.reference, tiny.reference.base_model_prefix)
     with torch.no_grad():
         out = inner(input_ids=torch.tensor([tokens]), output_hidden_states=True)
@@ -132,15 +133,21 @@ def test_deep_context_head_in_the_engine_equals_its_training_computation(arch, t
     torch.testing.assert_close(second[0], want_second, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(first[0], head(out.hidden_states[2], model.decoder)[0, 6], atol=1e-3)  # the context counts
     st.truncate(7)  # a rejected draft takes its own state with it
-    assert 7 not in st.own_states[2] and 6 in st.own_states[2]
+    assert 7 not in st.context.own[2] and 6 in st.context.own[2]
 
 
 def test_deep_context_falls_back_to_a_deeper_heads_state():
     """Where the draft head never ran (the intermediate exit accepted its last draft), the next
     draft reads the intermediate head's output there rather than nothing."""
-    st = Sequence.__new__(Sequence)
-    st.final_states, st.own_states = {5: torch.full((2,), 5.0)}, {2: {6: torch.full((2,), 2.0)}, 8: {6: torch.ones(2), 7: torch.full((2,), 8.0)}}
-    assert float(st.context_at(2, 5)[0]) == 5.0  # the full model's state first
-    assert float(st.context_at(2, 6)[0]) == 2.0  # then the head's own
-    assert float(st.context_at(2, 7)[0]) == 8.0  # then a deeper head's
-    assert st.context_at(2, 9) is None
+    ctx = ContextStates()
+    ctx.keep_final(5, torch.full((2,), 5.0))
+    ctx.keep_own(2, 6, torch.full((2,), 2.0))
+    for position, value in ((6, 1.0), (7, 8.0)):
+        ctx.keep_own(8, position, torch.full((2,), value))
+    assert float(ctx.context_at(2, 5)[0]) == 5.0  # the full model's state first
+    assert float(ctx.context_at(2, 6)[0]) == 2.0  # then the head's own
+    assert float(ctx.context_at(2, 7)[0]) == 8.0  # then a deeper head's
+    assert ctx.context_at(2, 9) is None
+    ctx.truncate(7)
+    ctx.forget_before(6)
+    assert ctx.context_at(2, 7) is None and ctx.context_at(2, 5) is None and float(ctx.context_at(2, 6)[0]) == 2.0

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hispec_decode import AdapterError, EngineConfig, GenerationConfig, HiSpecAdapterConfig, HiSpecError
+from hispec_decode import AdapterError, EngineConfig, HiSpecAdapterConfig, HiSpecError, SamplingParams, SpeculativeConfig
+from hispec_decode.config import field_names, split_overrides
 from hispec_decode.tools import bench
 from hispec_decode.tools import generate as generate_cli
 from hispec_decode.tools.args import config_overrides
@@ -29,8 +30,9 @@ garbage = st.one_of(
     st.lists(st.integers(-3, 200), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
     st.binary(max_size=3),
 )
-GENERATION = [f.name for f in dataclasses.fields(GenerationConfig)]
-ENGINE = [f.name for f in dataclasses.fields(EngineConfig)]
+SAMPLING = list(field_names(SamplingParams))
+SPECULATIVE = list(field_names(SpeculativeConfig))
+ENGINE = list(field_names(EngineConfig))
 
 
 def _names_it(exc: Exception, name: str) -> None:
@@ -39,7 +41,7 @@ def _names_it(exc: Exception, name: str) -> None:
 
 
 @SETTINGS
-@given(name=st.sampled_from(GENERATION + ENGINE), value=garbage)
+@given(name=st.sampled_from(SAMPLING + SPECULATIVE + ENGINE), value=garbage)
 def test_generate_arguments(hispec_models, name, value):
     model = hispec_models["llama"]
     kwargs = {"max_new_tokens": 3, "method": "hispec", name: value}
@@ -54,11 +56,11 @@ def test_generate_arguments(hispec_models, name, value):
 
 
 @SETTINGS
-@given(name=st.sampled_from(GENERATION), value=garbage)
-def test_serve_and_add_request_arguments(hispec_models, name, value):
+@given(name=st.sampled_from(SAMPLING + SPECULATIVE), value=garbage)
+def test_build_engine_and_add_request_arguments(hispec_models, name, value):
     model = hispec_models["qwen3"]
     try:
-        server = model.serve(**({"max_new_tokens": 2, "num_blocks": 64, "block_size": 4} | {name: value}))
+        server = model.build_engine(**({"max_new_tokens": 2, "num_blocks": 64, "block_size": 4} | {name: value}))
     except Exception as exc:  # noqa: BLE001
         _names_it(exc, name)
         return
@@ -66,7 +68,9 @@ def test_serve_and_add_request_arguments(hispec_models, name, value):
         rid = server.add_request(PROMPT, **{name: value})
     except Exception as exc:  # noqa: BLE001
         _names_it(exc, name)
+        assert name in SAMPLING or "fixed per engine" in str(exc)  # an engine's method and policy: never per request
         return
+    assert name in SAMPLING
     list(server.stream())
     assert server.sequences[rid].is_finished
 
@@ -104,10 +108,9 @@ def test_generate_cli_parser(argv):
     args = _parse_or_exit_2(lambda: generate_cli.build_parser().parse_args(["--prompt-ids", "1", *argv]))
     if args is None:
         return
-    overrides = config_overrides(args, generate_cli.GENERATION_ARGS + generate_cli.ENGINE_ARGS)
+    overrides = config_overrides(args, SAMPLING + SPECULATIVE + ENGINE)
     try:
-        GenerationConfig().update(**{k: v for k, v in overrides.items() if k in GENERATION})
-        EngineConfig(**{k: v for k, v in overrides.items() if k in ENGINE})
+        split_overrides(None, None, None, overrides)
     except HiSpecError:
         pass
 
@@ -118,7 +121,7 @@ def test_bench_cli_parser(argv):
     parsed = _parse_or_exit_2(lambda: bench.parse_args(argv))
     if parsed is not None:
         try:
-            bench.bench_config(parsed[1])
+            bench.bench_settings(parsed[1])
         except HiSpecError:
             pass
 

@@ -60,7 +60,7 @@ def _final_states(model, rows_of: list[list[tuple[int, list[int]]]]) -> dict[tup
                 cache.manager.add(seq_id, 1)
                 lengths[seq_id] = 0
             start = lengths[seq_id]
-            cache.copy_blocks(cache.manager.reserve(seq_id, start + len(tokens)))
+            cache.manager.reserve(seq_id, start + len(tokens))
             spans.append((seq_id, start, len(tokens)))
             ids += tokens
         meta = decoder.meta(cache, spans)

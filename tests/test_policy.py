@@ -13,8 +13,8 @@ import torch
 from hispec_decode import CONFIG_NAME, HiSpecAdapter, HiSpecError, HiSpecModel, Policy
 from hispec_decode.adapter import ExitSpec
 from hispec_decode.decoding.sampling import SamplingParams, TokenSampler
-from hispec_decode.decoding.strategies import STRATEGIES, run_alone
-from hispec_decode.engine.block_manager import BlockManager
+from hispec_decode.engine.strategies import STRATEGIES, run_alone
+from hispec_decode.cache.block_manager import BlockManager
 from hispec_decode.engine.sequence import Sequence
 
 from conftest import ARCHS, SAMPLE_PROMPT, chi_square, chi_square_critical, exact_two_token_distribution
@@ -66,7 +66,7 @@ def test_gates_that_stop_everything_degenerate_to_plain_decoding(hispec_models):
 def test_thresholded_sampling_follows_the_base_distribution(small_vocab_model, thresholds, method):
     path, reference = small_vocab_model
     model = HiSpecModel.from_pretrained(str(path))
-    params, draws = SamplingParams(True, temperature=0.9), 3000
+    params, draws = SamplingParams(do_sample=True, temperature=0.9), 3000
     out = model.generate([SAMPLE_PROMPT] * draws, max_new_tokens=2, method=method, do_sample=True, temperature=0.9,
                          seed=321, draft_layer=1, verify_layer=2, window=3, num_draft=2,
                          draft_threshold=thresholds[0], verify_threshold=thresholds[1])
@@ -129,7 +129,7 @@ class _FixedRunner:
         self.logits = {band: torch.tensor([row]) for band, row in logits.items()}
 
     def advance(self, request):
-        seq, manager = request.seq, request.seq.cache.manager
+        seq, manager = request.seq, request.seq.blocks
         manager.reserve(seq.seq_id, len(seq.tokens))
         for band in range(request.top_band + 1):
             manager.set_length(seq.seq_id, band, len(seq.tokens))
@@ -145,8 +145,7 @@ def test_gated_hispec_samples_exactly_the_final_distribution(thresholds):
     policy = Policy(1, 2, 3, 1, thresholds[0], thresholds[1])
     draws, zeros = 20_000, 0
     for i in range(draws):
-        cache = type("Cache", (), {"manager": BlockManager(8, 16)})()
-        seq = Sequence(0, [1], cache, (1, 2, 3), TokenSampler(SamplingParams(True), seed=i), 2, frozenset(), policy)
+        seq = Sequence(0, [1], BlockManager(8, 16), (1, 2, 3), TokenSampler(SamplingParams(do_sample=True, seed=i)), 2, frozenset(), policy)
         seq.allocate()
         run_alone(STRATEGIES["hispec"].decode(seq), runner.advance)
         zeros += seq.new_tokens[0] == 0

@@ -53,7 +53,7 @@ def test_verify_samples_target_distribution():
     gen = torch.Generator().manual_seed(0)
     q = _random_dist(gen, vocab).float()
     p = _random_dist(gen, vocab).float()
-    sampler = TokenSampler(SamplingParams(do_sample=True), seed=1)
+    sampler = TokenSampler(SamplingParams(do_sample=True, seed=1))
     counts: dict[int, int] = {}
     target_logits = torch.stack([p.log(), p.log()])  # row 0 checks the candidate, row 1 is the bonus
     for _ in range(draws):
@@ -67,14 +67,14 @@ def test_verify_samples_target_distribution():
 
 def test_warp_top_k_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
-    assert (warp(logits, SamplingParams(True, top_k=2))[0, 2:] == 0).all()
+    assert (warp(logits, SamplingParams(do_sample=True, top_k=2))[0, 2:] == 0).all()
     probs = logits.softmax(-1)[0]
-    nucleus = warp(logits, SamplingParams(True, top_p=float(probs[0] + 0.01)))[0]
+    nucleus = warp(logits, SamplingParams(do_sample=True, top_p=float(probs[0] + 0.01)))[0]
     assert (nucleus[:2] > 0).all() and (nucleus[2:] == 0).all()  # smallest prefix with mass >= top_p
-    assert torch.allclose(warp(logits, SamplingParams(True, temperature=0.5)), (logits / 0.5).softmax(-1))
+    assert torch.allclose(warp(logits, SamplingParams(do_sample=True, temperature=0.5)), (logits / 0.5).softmax(-1))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(True), SamplingParams(True, temperature=0.7, top_k=5, top_p=0.9)])
+@pytest.mark.parametrize("params", [SamplingParams(do_sample=True), SamplingParams(do_sample=True, temperature=0.7, top_k=5, top_p=0.9)])
 @pytest.mark.parametrize("method", ["hispec", "self_spec", "autoregressive"])
 @pytest.mark.parametrize("drafter_invariant", [False, True], ids=["rejection", "gumbel"])
 def test_end_to_end_samples_follow_base_distribution(small_vocab_model, params, method, drafter_invariant):
@@ -116,7 +116,7 @@ def test_reduced_exit_vocabulary_keeps_the_distribution(small_vocab_model, metho
         head.set_vocab(torch.tensor([1, 4, 6]))
     adapter.save_pretrained(tmp_path / "heads")
     model = HiSpecModel.from_pretrained(str(path), heads=str(tmp_path / "heads"))
-    params, draws = SamplingParams(True), 3000
+    params, draws = SamplingParams(do_sample=True), 3000
     out = model.generate([SAMPLE_PROMPT] * draws, max_new_tokens=2, method=method, do_sample=True, seed=99,
                          draft_layer=1, verify_layer=2, window=2, num_draft=2)
     assert out.stats["acceptance_final"] < 0.95
@@ -157,7 +157,7 @@ def test_top_p_mask_of_a_row_does_not_depend_on_the_other_rows():
     narrow = torch.full((vocab,), -30.0)
     narrow[:6] = torch.tensor([5.0, 4.0, 4.0, 4.0, 3.0, 3.0])  # ties at the edge of a small nucleus
     wide = torch.zeros(vocab)  # uniform: the nucleus holds most of the vocabulary
-    params = SamplingParams(True, top_p=0.8)
+    params = SamplingParams(do_sample=True, top_p=0.8)
     alone = warp(narrow[None], params)
     for batch in (torch.stack([narrow, wide]), torch.stack([wide, narrow, wide])):
         row = [i for i in range(len(batch)) if torch.equal(batch[i], narrow)][0]

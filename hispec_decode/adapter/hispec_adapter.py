@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import AdapterError
 from ..files import atomic_file, clean_stale
-from ..layers.exit_heads import ExitHead, build_head, check_vocab, head_class
+from ..models.exit_heads import ExitHead, build_head, check_vocab, head_class
 from .config import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, ExitHeadConfig, HiSpecAdapterConfig
 from .fingerprint import compute_fingerprint
 

@@ -16,7 +16,7 @@ A policy is confidence-adaptive (docs/policy.md):
 Every decision uses proposal-side quantities only, so greedy output equals the base model's and
 sampled output is an exact sample of it, whatever the thresholds.
 
-:func:`resolve_policy` fills what a :class:`~hispec_decode.config.GenerationConfig` leaves open:
+:func:`resolve_policy` fills what a :class:`~hispec_decode.config.SpeculativeConfig` leaves open:
 explicit arguments first, then the adapter's tuned policy for the model's dtype, then the
 adapter's roles (``draft`` / ``intermediate`` exits), then fractions of the depth.
 """
@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..config import SpeculativeConfig
 from ..errors import HiSpecError
-
-if TYPE_CHECKING:
-    from ..config import GenerationConfig
 
 # Layers scale with depth: the draft exit at ~1/8, the intermediate exit at ~1/4 of the layers.
 DEFAULT_DRAFT_FRACTION = 1 / 8
@@ -66,7 +64,7 @@ class Policy:
         return max(self.draft_threshold, floor), max(self.verify_threshold, floor)
 
 
-def resolve_policy(config: GenerationConfig, num_layers: int, roles: dict[str, int | None] | None = None,
+def resolve_policy(config: SpeculativeConfig, num_layers: int, roles: dict[str, int | None] | None = None,
                    tuned: dict[str, Any] | None = None) -> Policy:
     """Fill in what ``config`` leaves open (``tuned``: the adapter's tuned policy for this dtype;
     ``roles``: its ``draft``/``intermediate`` layers) and check the layers against the model."""
@@ -95,12 +93,10 @@ def resolve_policy(config: GenerationConfig, num_layers: int, roles: dict[str, i
 
 def _checked_tuned(tuned: dict[str, Any], method: str) -> dict[str, Any]:
     """An adapter's tuned policy, checked like explicit arguments (it comes from a JSON file)."""
-    from ..config import GenerationConfig  # the same checks as for explicit arguments
-
     if not isinstance(tuned, dict):
         raise HiSpecError(f"the adapter's tuned policy must be a JSON object; got {type(tuned).__name__}")
     try:
-        GenerationConfig(method=method, **{k: tuned[k] for k in TUNABLE if k in tuned})
+        SpeculativeConfig(method=method, **{k: tuned[k] for k in TUNABLE if k in tuned})  # the same checks
         batch = tuned.get("batch_thresholds", {})
         if not isinstance(batch, dict) or not all(
                 str(b).isdigit() and isinstance(t, (int, float)) and 0 <= t < float("inf") for b, t in batch.items()):

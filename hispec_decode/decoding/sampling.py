@@ -11,40 +11,13 @@ then ``L_f`` against ``L_i`` (whose tentative tokens are exact samples of ``p_i`
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import HiSpecError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    drafter_invariant: bool = False  # Gumbel-max sampling keyed to (seed, position): see TokenSampler
-
-    def __post_init__(self) -> None:
-        for name in ("do_sample", "drafter_invariant"):
-            if not isinstance(getattr(self, name), bool):
-                raise HiSpecError(f"{name} must be True or False; got {getattr(self, name)!r}")
-        if not _real(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise HiSpecError(f"temperature must be a finite number >= 0; got {self.temperature!r}")
-        if self.do_sample and not self.temperature > 0:
-            raise HiSpecError(f"temperature must be > 0 when sampling (got {self.temperature}); use do_sample=False for greedy")
-        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise HiSpecError(f"top_k must be an integer >= 0 (0: no limit); got {self.top_k!r}")
-        if not _real(self.top_p) or not 0 < self.top_p <= 1:
-            raise HiSpecError(f"top_p must be a number in (0, 1]; got {self.top_p!r}")
-
-
-def _real(x: object) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+from ..sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -115,8 +88,8 @@ class TokenSampler:
 
     NOISE_CACHE = 32  # positions whose noise is kept at most (commits drop the older ones: see forget)
 
-    def __init__(self, params: SamplingParams, seed: int | None = None) -> None:
-        self.params = params
+    def __init__(self, params: SamplingParams) -> None:
+        self.params, seed = params, params.seed
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()

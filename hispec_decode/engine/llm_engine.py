@@ -16,15 +16,16 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence as Seq
 
-from ..config import ENGINE_FIELDS, EngineConfig, GenerationConfig, checked
+from ..config import SAMPLING_FIELDS, SPECULATIVE_FIELDS, EngineConfig, SpeculativeConfig, checked, unknown_arguments
 from ..decoding.policy import Policy
 from ..decoding.sampling import TokenSampler
-from ..decoding.strategies import STRATEGIES
 from ..errors import HiSpecError, OutOfBlocksError
 from ..inputs import prompt_rows
-from .model_runner import BandRequest, ModelRunner
+from ..sampling_params import SamplingParams
+from .model_runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import Sequence, Status
+from .sequence import BandRequest, Sequence, Status
+from .strategies import STRATEGIES
 
 DEFAULT_SERVER_BLOCKS = 1024
 
@@ -41,14 +42,17 @@ class StepOutput:
 class LLMEngine:
     """``add_request`` / ``step`` / ``stream`` / ``abort`` over one strategy, policy and paged cache.
 
-    ``config`` holds the server's method and policy (fixed for every request) and the defaults
-    of the per-request fields (``max_new_tokens``, sampling, ``seed``, ``eos_token_id``)."""
+    ``speculative_config`` (the method; ``policy`` is what it resolved to on this model) and
+    ``engine_config`` are fixed for every request; ``sampling_params`` is the default of requests
+    that bring none."""
 
-    def __init__(self, runner: ModelRunner, config: GenerationConfig, policy: Policy,
-                 engine_config: EngineConfig | None = None) -> None:
+    def __init__(self, runner: ModelRunner, speculative_config: SpeculativeConfig, policy: Policy,
+                 engine_config: EngineConfig | None = None, sampling_params: SamplingParams | None = None) -> None:
         engine_config = engine_config or EngineConfig()
-        self.runner, self.config, self.policy, self.engine_config = runner, config, policy, engine_config
-        self.strategy = STRATEGIES[config.method]
+        self.runner, self.speculative_config, self.policy = runner, speculative_config, policy
+        self.engine_config, self.sampling_params = engine_config, sampling_params or SamplingParams()
+        self.method = speculative_config.method
+        self.strategy = STRATEGIES[self.method]
         self.exits = self.strategy.exits(policy, runner.decoder.num_layers)
         self.cache = runner.new_cache(engine_config.num_blocks or DEFAULT_SERVER_BLOCKS, engine_config.block_size)
         self.scheduler = Scheduler(self.cache.manager, len(self.exits), engine_config.schedule,
@@ -59,18 +63,20 @@ class LLMEngine:
         self.peak_tokens = 0  # most tokens the sequences held at once
         self._ids = itertools.count()
 
-    def add_request(self, prompt: Seq[int], generation_config: GenerationConfig | None = None, **overrides: Any) -> int:
+    def add_request(self, prompt: Seq[int], sampling_params: SamplingParams | None = None, **overrides: Any) -> int:
         """Validate and queue a prompt (token ids); it joins the running batch at the next step with
-        room for it. ``overrides`` set per-request fields (``max_new_tokens``, ``do_sample``,
-        ``temperature``, ``top_k``, ``top_p``, ``seed``, ``eos_token_id``). Returns its request id."""
-        config = checked(generation_config or self.config, GenerationConfig, "generation_config").update(**overrides)
-        fixed = [k for k in sorted(ENGINE_FIELDS) if self._differs(config, k)]
+        room for it. ``overrides`` set fields of ``sampling_params`` (default: the engine's), e.g.
+        ``max_new_tokens=8, seed=1``. Returns its request id."""
+        fixed = sorted(set(overrides) & SPECULATIVE_FIELDS)
         if fixed:
-            raise HiSpecError(f"{', '.join(fixed)} is fixed per server ({self.config.method}); start another server "
-                              f"with model.serve(...) to change it")
+            raise HiSpecError(f"{', '.join(fixed)} is fixed per engine (SpeculativeConfig, here {self.method}); build "
+                              f"another engine with model.build_engine(...) to change it")
+        if set(overrides) - SAMPLING_FIELDS:
+            raise unknown_arguments(set(overrides) - SAMPLING_FIELDS, SAMPLING_FIELDS, "request")
+        params = checked(sampling_params or self.sampling_params, SamplingParams, "sampling_params").replace(**overrides)
         decoder = self.runner.decoder
         (row,) = prompt_rows([prompt], decoder.vocab_size, decoder.max_positions)
-        limit = min(len(row) + config.max_new_tokens, decoder.max_positions)
+        limit = min(len(row) + params.max_new_tokens, decoder.max_positions)
         manager = self.cache.manager
         if manager.blocks_for(limit) > manager.num_blocks:
             raise OutOfBlocksError(
@@ -78,20 +84,11 @@ class LLMEngine:
                 f"cache of {manager.num_blocks} blocks of {manager.block_size} tokens; raise num_blocks"
             )
         rid = next(self._ids)
-        sampler = TokenSampler(config.sampling_params(), config.seed)
-        seq = Sequence(rid, row, self.cache, self.exits, sampler, limit, config.eos_ids(decoder.default_eos_ids()),
-                       self.policy)
+        seq = Sequence(rid, row, manager, self.exits, TokenSampler(params), limit,
+                       params.eos_ids(decoder.default_eos_ids()), self.policy)
         self.sequences[rid] = seq
         self.scheduler.add(seq)
         return rid
-
-    def _differs(self, config: GenerationConfig, key: str) -> bool:
-        """Whether a request's ``key`` asks for something else than this server does (a policy
-        field left at None, or equal to what the server resolved it to, does not)."""
-        value = getattr(config, key)
-        if hasattr(self.policy, key):
-            return value is not None and value != getattr(self.policy, key)
-        return value != getattr(self.config, key)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -100,12 +97,12 @@ class LLMEngine:
         """Admit what fits, serve one sweep, retire finished sequences; returns committed tokens."""
         for seq in self.scheduler.admit():
             seq.batch_size = len(self.scheduler.running)
-            seq.steps = self.strategy.decode(seq)
-            seq.request = next(seq.steps)
+            seq.decode_loop = self.strategy.decode(seq)
+            seq.request = next(seq.decode_loop)
         if not self.scheduler.running:
             return []
         batch, requests = self._prefill_budget(self.scheduler.next_batch())
-        logits = self.runner.advance(requests)
+        logits = self.runner.advance(requests, self.cache)
         usage = self.cache.manager.usage()  # the step's high point: drafts written, nothing truncated yet
         self.peak_slots = max(self.peak_slots, usage["slots_held"])
         self.peak_tokens = max(self.peak_tokens, usage["tokens_needed"])
@@ -116,7 +113,7 @@ class LLMEngine:
                 continue
             seq.batch_size = running  # batch-aware policies speculate less in bigger batches
             try:
-                seq.request = seq.steps.send(lg)
+                seq.request = seq.decode_loop.send(lg)
             except StopIteration:
                 seq.request = None
             done = seq.request is None
@@ -175,7 +172,7 @@ class LLMEngine:
             raise HiSpecError(f"no request {request_id!r}")
         if seq.status is not Status.FINISHED:
             raise HiSpecError(f"request {request_id} is still {seq.status.value}; abort it first")
-        seq.steps = seq.request = None
+        seq.decode_loop = seq.request = None
         return self.sequences.pop(request_id)
 
     @property

@@ -15,32 +15,13 @@ the logits of its ``num_logits`` newest positions at its own exit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..layers.exit_heads import ExitHead
+from ..cache.block_manager import DEFAULT_BLOCK_SIZE
+from ..cache.kv_cache import PagedKVCache
 from ..models.base import DecoderModel
-from .block_manager import DEFAULT_BLOCK_SIZE
-from .kv_cache import PagedKVCache
-from .sequence import Sequence
-
-
-@dataclass(frozen=True)
-class BandRequest:
-    """Bring ``seq`` through bands ``0..top_band``; return the logits of its ``num_logits`` newest
-    positions at the exit on top of that band. ``upto`` (a chunk of a prefill) brings only
-    ``tokens[:upto]`` through, and asks for no logits."""
-
-    seq: Sequence
-    top_band: int
-    num_logits: int
-    upto: int | None = None
-
-    @property
-    def end(self) -> int:
-        """Tokens the bands of this request have seen once it is served."""
-        return len(self.seq.tokens) if self.upto is None else self.upto
+from ..models.exit_heads import ExitHead
+from .sequence import BandRequest, Sequence
 
 
 class ModelRunner:
@@ -60,13 +41,13 @@ class ModelRunner:
         return self.decoder.new_cache(num_blocks, block_size, len(self.head_cache_layer))
 
     @torch.inference_mode()
-    def advance(self, requests: list[BandRequest]) -> list[torch.Tensor]:
-        """Serve every request in one sweep up the layers; returns ``[num_logits, vocab]`` logits each."""
+    def advance(self, requests: list[BandRequest], cache: PagedKVCache) -> list[torch.Tensor]:
+        """Serve every request in one sweep up the layers, reading and writing the sequences' K/V in
+        ``cache`` (whose block manager they hold); returns ``[num_logits, vocab]`` logits each."""
         if not requests:
             return []
-        cache = requests[0].seq.cache
         for r in requests:  # reserve first: running out of blocks changes no token
-            cache.copy_blocks(cache.manager.reserve(r.seq.seq_id, len(r.seq.tokens)))
+            cache.manager.reserve(r.seq.seq_id, len(r.seq.tokens))
         at_top: list[torch.Tensor | None] = [None] * len(requests)
         top, band = max(r.top_band for r in requests), 0
         while band <= top:
@@ -132,7 +113,7 @@ class ModelRunner:
         rows = torch.tensor([r for _, _, r in keep], device=h.device)
         normed = self.decoder.exit_norm(h[0].index_select(0, rows))  # [kept, C], its own storage
         for (st, p, _), state in zip(keep, normed.unbind(0)):
-            st.final_states[p] = state
+            st.context.keep_final(p, state)
 
     def _context_transform(self, layer: int, seqs: list[Sequence], rows: list[torch.Tensor]) -> torch.Tensor:
         """A deep-context head's transform of each sequence's newest rows ([1, n_i, hidden] each),
@@ -146,12 +127,12 @@ class ModelRunner:
             positions = [len(seqs[k].tokens) - rows[k].shape[1] + j for k in members]
             h = torch.cat([rows[k][:, j : j + 1] for k in members], dim=1)  # [1, m, hidden]
             zero = h.new_zeros(size)
-            ctx = torch.stack([c if (c := seqs[k].context_at(layer, p - 1)) is not None else zero
+            ctx = torch.stack([c if (c := seqs[k].context.context_at(layer, p - 1)) is not None else zero
                                for k, p in zip(members, positions)])[None]  # [1, m, C]
             x = self.decoder.rowwise(head.transform, h, ctx)
             own = self.decoder.rowwise(lambda y: head.context_of(y, self.decoder), x)[0]  # [m, C]
             for r, (k, p) in enumerate(zip(members, positions)):
-                seqs[k].own_states.setdefault(layer, {})[p] = own[r].clone()
+                seqs[k].context.keep_own(layer, p, own[r].clone())
                 outs[k].append(x[:, r : r + 1])
         return torch.cat([t for per_seq in outs for t in per_seq], dim=1)
 

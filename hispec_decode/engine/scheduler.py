@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..errors import OutOfBlocksError
-from .block_manager import BlockManager
+from ..cache.block_manager import BlockManager
 from .sequence import Sequence, Status
 
 MAX_GATHER_WAIT = 8  # steps a full window may wait under "gather" before everyone is served
@@ -90,7 +90,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks, drop its uncommitted tokens, queue it first for recomputation."""
-        seq.release()
+        seq.free_blocks()
         seq.rewind()
         seq.status = Status.WAITING
         seq.preemptions += 1
@@ -101,7 +101,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """The sequence is done (or aborted): free its blocks at once."""
         if seq.status is Status.RUNNING:
-            seq.release()
+            seq.free_blocks()
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)

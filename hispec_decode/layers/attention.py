@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from ..engine.kv_cache import PagedKVCache, Slots
+    from ..cache.kv_cache import PagedKVCache, Slots
 
 
 @dataclass

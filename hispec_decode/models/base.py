@@ -2,7 +2,7 @@
 
 No modeling file is copied: each family (``llama.py``, ``opt.py``) reads the model's own modules
 (projections, norms, rotary embedding, MLP) and calls them, adding only what the engine needs: an
-explicit write position in a :class:`~hispec_decode.engine.kv_cache.PagedKVCache`, explicit
+explicit write position in a :class:`~hispec_decode.cache.kv_cache.PagedKVCache`, explicit
 attention metadata for a ragged batch, and the ability to start and stop at any layer
 (``run(h, lo, hi)`` runs ``layers[lo:hi]``).
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.kv_cache import PagedKVCache
+from ..cache.kv_cache import PagedKVCache
 from ..errors import HiSpecError
 from ..layers.attention import AttentionMeta, attend, attend_invariant, build_meta
 from ..layers.linear import FusedLinear, in_row_chunks

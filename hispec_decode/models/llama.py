@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import AttentionMeta
-from ..engine.kv_cache import PagedKVCache
+from ..cache.kv_cache import PagedKVCache
 from .base import AttentionFn, DecoderModel, LayerKernels, module_linears
 
 

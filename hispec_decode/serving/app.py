@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from ..api import HiSpecModel
 from ..engine.llm_engine import LLMEngine
 from ..errors import HiSpecError
+from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
 from .completions import CompletionRun, CompletionStream, Job
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -47,13 +48,13 @@ def build_app(model: HiSpecModel, engine: LLMEngine, config: ServerConfig, engin
     if model.tokenizer is None:
         raise HiSpecError(f"{model.base_name} has no tokenizer; the server needs one to read text prompts")
     server = AsyncEngine(engine, config.max_queue, threaded=engine_thread)
-    metrics = ServerMetrics(lambda: server.snapshot, config.model_name, engine.config.method)
+    metrics = ServerMetrics(lambda: server.snapshot, config.model_name, engine.method)
     tokenizer, context, vocab = model.tokenizer, model.decoder.max_positions, model.decoder.vocab_size
-    default_eos = engine.config.eos_ids(engine.runner.decoder.default_eos_ids())  # what ends a choice unless it says
+    default_eos = engine.sampling_params.eos_ids(engine.runner.decoder.default_eos_ids())  # what ends a choice unless it says
 
     async def lifespan(app: FastAPI):
         server.start()
-        logger.info("serving %s (%s) on the %s engine", config.model_name, engine.config.method,
+        logger.info("serving %s (%s) on the %s engine", config.model_name, engine.method,
                     model.decoder.dtype)
         yield
         logger.info("shutting down: aborting %d request(s) still running", server.snapshot.running)
@@ -135,17 +136,19 @@ def build_app(model: HiSpecModel, engine: LLMEngine, config: ServerConfig, engin
                 raise ServerError(400, f"the prompt has {len(prompt)} tokens; this model's context holds {context}, "
                                        f"leaving no room for min_tokens ({req.min_tokens})", "min_tokens")
         stop = req.stop_strings()
-        overrides: dict[str, Any] = {
-            "max_new_tokens": max_tokens or context - max(len(p) for p in prompts),
-            "do_sample": (req.temperature if req.temperature is not None else 1.0) > 0,
-            "temperature": req.temperature or 1.0, "top_p": req.top_p if req.top_p is not None else 1.0,
-            "top_k": req.hispec.top_k, "seed": req.seed, "drafter_invariant": req.hispec.drafter_invariant,
-        }
+        eos = None
         if req.hispec.ignore_eos or req.stop_token_ids:  # vLLM's stop_token_ids end a choice as EOS does
-            eos = set() if req.hispec.ignore_eos else set(default_eos)
-            overrides["eos_token_id"] = tuple(sorted(eos | set(req.stop_token_ids or ())))
+            eos = tuple(sorted((set() if req.hispec.ignore_eos else set(default_eos)) | set(req.stop_token_ids or ())))
+        try:  # the request's OpenAI fields, as SamplingParams (choice i samples with seed + i)
+            sampling = SamplingParams(
+                max_new_tokens=max_tokens or context - max(len(p) for p in prompts),
+                do_sample=(req.temperature if req.temperature is not None else 1.0) > 0,
+                temperature=req.temperature or 1.0, top_p=req.top_p if req.top_p is not None else 1.0,
+                top_k=req.hispec.top_k, seed=req.seed, eos_token_id=eos, drafter_invariant=req.hispec.drafter_invariant)
+        except HiSpecError as exc:
+            raise ServerError(400, str(exc)) from None
         options = req.stream_options
-        job = Job(chat, config.model_name, prompts, req.n, overrides, stop, req.stream,
+        job = Job(chat, config.model_name, prompts, req.n, sampling, stop, req.stream,
                   bool(req.stream and options is not None and options.include_usage), req.return_token_ids,
                   req.hispec.return_stats)
         run = CompletionRun(server, tokenizer, metrics, job)
@@ -217,8 +220,8 @@ async def _parse(request: Request, cls: type[BaseModel], config: ServerConfig) -
         raise ServerError(422, f"{param}: {err['msg']} (got {err.get('input')!r:.80})", param) from None
     _check_model(req.model, config)
     req.check_supported()
-    if req.hispec.method is not None and req.hispec.method != request.app.state.engine.engine.config.method:
-        raise ServerError(400, f"this server decodes with {request.app.state.engine.engine.config.method!r}; the "
+    if req.hispec.method is not None and req.hispec.method != request.app.state.engine.engine.method:
+        raise ServerError(400, f"this server decodes with {request.app.state.engine.engine.method!r}; the "
                                f"method is fixed per server (start another hispec-serve for {req.hispec.method!r})",
                           "hispec.method")
     return req

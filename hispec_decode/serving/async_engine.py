@@ -25,6 +25,7 @@ from typing import Any
 from ..engine.llm_engine import LLMEngine
 from ..engine.sequence import Counters
 from ..errors import HiSpecError
+from ..sampling_params import SamplingParams
 from .protocol import ServerError
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,8 @@ class AsyncEngine:
     def wait_ready(self, timeout: float) -> bool:
         return self._ready.wait(timeout)
 
-    async def add(self, prompt: list[int], events: asyncio.Queue | None = None, **overrides: Any) -> RequestHandle:
+    async def add(self, prompt: list[int], sampling_params: SamplingParams,
+                  events: asyncio.Queue | None = None) -> RequestHandle:
         """Queue a request whose events go to ``events`` (several requests may share one queue:
         events carry their request id); fails with :class:`ServerError` (400 bad request, 503 full
         or stopping)."""
@@ -108,7 +110,7 @@ class AsyncEngine:
         future = self._loop.create_future()
         events = events if events is not None else asyncio.Queue()
         self.in_flight += 1
-        self._commands.put(("add", (prompt, overrides, events, future)))
+        self._commands.put(("add", (prompt, sampling_params, events, future)))
         try:
             request_id = await future
         except BaseException:
@@ -178,9 +180,9 @@ class AsyncEngine:
         if kind == "stop":
             return False
         if kind == "add":
-            prompt, overrides, events, future = arg
+            prompt, sampling_params, events, future = arg
             try:
-                request_id = self.engine.add_request(prompt, **overrides)
+                request_id = self.engine.add_request(prompt, sampling_params)
             except HiSpecError as exc:
                 self._call(_fail, future, ServerError(400, str(exc)))
                 return True

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 
 from starlette.responses import StreamingResponse
 
+from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine, Event, RequestHandle
 from .detokenize import TextStream
 from .metrics import ServerMetrics
@@ -37,7 +38,7 @@ class Job:
     model: str
     prompts: list[list[int]]
     n: int
-    overrides: dict[str, Any]  # GenerationConfig fields for every choice (seed: of choice 0)
+    sampling: SamplingParams  # of every choice (seed: of choice 0)
     stop: list[str]
     stream: bool
     include_usage: bool
@@ -95,14 +96,12 @@ class CompletionRun:
 
     async def submit(self) -> None:
         job = self.job
-        seed = job.overrides.get("seed")
+        seed = job.sampling.seed
         try:
             for p, prompt in enumerate(job.prompts):
                 for i in range(job.n):
-                    overrides = dict(job.overrides)
-                    if seed is not None:
-                        overrides["seed"] = (seed + i) % 2**63
-                    handle = await self.engine.add(prompt, self.events, **overrides)
+                    params = job.sampling if seed is None else job.sampling.replace(seed=(seed + i) % 2**63)
+                    handle = await self.engine.add(prompt, params, self.events)
                     self.choices.append(Choice(p * job.n + i, prompt, handle, TextStream(self.tokenizer, job.stop)))
                     self.by_request[handle.request_id] = self.choices[-1]
         except BaseException:

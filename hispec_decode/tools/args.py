@@ -1,6 +1,6 @@
 """Command-line options built from the config dataclasses, so every tool speaks the same names.
 
-``add_config_args(parser, GenerationConfig, ["window", ...])`` adds ``--window`` with the field's
+``add_config_args(parser, SpeculativeConfig, ["window", ...])`` adds ``--window`` with the field's
 help text and type; ``config_overrides(args, names)`` returns the values the user gave (options
 left out stay ``None`` and do not override anything).
 """
@@ -12,10 +12,10 @@ import dataclasses
 import typing
 from typing import Any
 
-from ..config import METHODS, SCHEDULES
+from ..config import METHODS, SCHEDULES, SpeculativeConfig
 
-POLICY_FIELDS = ("draft_layer", "verify_layer", "window", "num_draft")
-SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "seed")
+POLICY_ARGS = ("draft_layer", "verify_layer", "window", "num_draft")  # the SpeculativeConfig fields benchmarks take
+SAMPLING_ARGS = ("do_sample", "temperature", "top_k", "top_p", "seed")  # the SamplingParams fields benchmarks take
 CHOICES = {"method": METHODS, "schedule": SCHEDULES}
 ALIASES = {"do_sample": ["--sample"]}  # the name this CLI had before options came from the config
 
@@ -92,7 +92,7 @@ VARIANTS = {
 }
 
 
-def variant_for(model: Any, spec: str, config: Any) -> dict[str, Any]:
+def variant_for(model: Any, spec: str, config: SpeculativeConfig) -> dict[str, Any]:
     """:func:`method_variant` for ``model``: a fixed policy (``paper``, ``fixed``) runs on the adapter's
     own draft and intermediate exits, not on the layers its tuned policy may have moved to, unless
     the command line named the layers."""

@@ -21,15 +21,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..config import GenerationConfig
+from ..cache.block_manager import DEFAULT_BLOCK_SIZE
+from ..config import SpeculativeConfig
 from ..data.prompts import CHAT_FREE, CHAT_PROMPTS, PROMPT_SETS, encode_prompt, prompt_set
-from ..engine.block_manager import DEFAULT_BLOCK_SIZE
-from ..engine.model_runner import BandRequest
-from ..engine.sequence import Counters, Sequence
+from ..engine.sequence import BandRequest, Counters, Sequence
 from ..errors import HiSpecError
 from ..files import check_writable, save_figure, write_text
 from ..models.loading import parse_dtype
-from .args import (POLICY_FIELDS, SAMPLING_FIELDS, ModelVariants, add_config_args, add_model_args, autoregressive_of,
+from ..sampling_params import SamplingParams
+from .args import (POLICY_ARGS, SAMPLING_ARGS, ModelVariants, add_config_args, add_model_args, autoregressive_of,
                    config_overrides, method_variant, variant_for)
 from .cli import add_debug_arg, positive_int, positive_int_list, run_cli
 
@@ -80,9 +80,9 @@ def verification_wall(model, policy, prompt: list[int], reps: int = 10) -> dict[
     single-token full pass, and a full pass over ``window + 1`` tokens (a verification)."""
     runner = model.runner
     cache = runner.new_cache(-(-(len(prompt) + policy.window + 1) // DEFAULT_BLOCK_SIZE) + 1)
-    seq = Sequence(0, prompt, cache, (policy.draft_layer, model.num_layers))
+    seq = Sequence(0, prompt, cache.manager, (policy.draft_layer, model.num_layers))
     seq.allocate()
-    runner.advance([BandRequest(seq, 1, 1)])
+    runner.advance([BandRequest(seq, 1, 1)], cache)
 
     def timed(new_tokens: int, top: int) -> float:
         times = []
@@ -90,7 +90,7 @@ def verification_wall(model, policy, prompt: list[int], reps: int = 10) -> dict[
             seq.truncate(len(prompt))
             seq.tokens.extend(prompt[-new_tokens:])
             t0 = time.perf_counter()
-            runner.advance([BandRequest(seq, top, new_tokens)])
+            runner.advance([BandRequest(seq, top, new_tokens)], cache)
             times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]
 
@@ -118,12 +118,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             args.base, args.heads, dtype=dtype, batch_invariant=invariant), args.batch_invariant)
         model = models("autoregressive")
         prompts = bench_prompts(model, args.num_prompts, args.prompts)
-        config = bench_config(args)
+        sampling, config = bench_settings(args)
         methods = [m for m in args.methods.split(",") if m]
         tallies = {m: Tally() for m in methods}
         for m in methods:  # warm-up: first calls allocate and tune kernels
             if m != "transformers":
-                models(m).generate([prompts[0]], config, max_new_tokens=8, **variant_for(models(m), m, config))
+                models(m).generate([prompts[0]], sampling, config, max_new_tokens=8, **variant_for(models(m), m, config))
             else:
                 _hf_generate(model, prompts[0], 8)
         for i, prompt in enumerate(tqdm(prompts, desc=f"bench {dtype}", unit="prompt")):
@@ -133,7 +133,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     tokens = _hf_generate(model, prompt, args.max_new_tokens)
                     counters = Counters()
                 else:
-                    (seq,) = models(m).generate([prompt], config, **variant_for(models(m), m, config)).seqs
+                    (seq,) = models(m).generate([prompt], sampling, config, **variant_for(models(m), m, config)).seqs
                     tokens, counters = seq.new_tokens, seq.counters
                 tally = tallies[m]
                 tally.seconds += time.perf_counter() - t0
@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "name its own, e.g. --methods autoregressive,hispec:eager,hispec:gather")
     p.add_argument("--max-batches", type=positive_int, default=None,
                    help="batched mode: decode at most this many batches per batch size (shorter runs)")
-    add_config_args(p, GenerationConfig, POLICY_FIELDS + SAMPLING_FIELDS)
+    add_config_args(p, SpeculativeConfig, POLICY_ARGS)
+    add_config_args(p, SamplingParams, SAMPLING_ARGS)
     add_debug_arg(p)
     return p
 
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, default_num_prompts: int) -> int:
-    bench_config(args)  # policy values checked before loading
+    bench_settings(args)  # policy and sampling values checked before loading
     for output in (args.json, args.plot):  # before minutes of measuring, not after
         if output is not None:
             check_writable(output.parent, f"the directory of {output}")
@@ -292,9 +293,11 @@ def write_json(path: Path | None, results: dict[str, Any]) -> None:
         print(f"wrote {path}")
 
 
-def bench_config(args: argparse.Namespace) -> GenerationConfig:
-    """The generation settings every compared method shares (greedy; policy options as given)."""
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, **config_overrides(args, POLICY_FIELDS + SAMPLING_FIELDS))
+def bench_settings(args: argparse.Namespace) -> tuple[SamplingParams, SpeculativeConfig]:
+    """The settings every compared method shares (greedy unless --sample; policy options as given;
+    each method spec then sets its own method and variant)."""
+    return (SamplingParams(max_new_tokens=args.max_new_tokens, **config_overrides(args, SAMPLING_ARGS)),
+            SpeculativeConfig(**config_overrides(args, POLICY_ARGS)))
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -303,7 +306,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     for dtype in args.dtypes.split(","):
         model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=dtype, batch_invariant=args.batch_invariant)
-        policy = model.policy(bench_config(args), method="hispec")
+        policy = model.policy(bench_settings(args)[1], method="hispec")
         rows = run_sweep(model, policy, bench_prompts(model, args.num_prompts, args.prompts), args.max_new_tokens)
         write_sweep(rows, args.sweep, dtype)
         best = max(rows, key=lambda r: r["speedup_vs_autoregressive"])
@@ -325,7 +328,7 @@ def _batched(args: argparse.Namespace, default_num_prompts: int) -> int:
             args.base, args.heads, dtype=dtype, batch_invariant=invariant), args.batch_invariant)
         prompts = bench_prompts(models("autoregressive"), num_prompts, args.prompts)
         methods = [m for m in args.methods.split(",") if m]
-        res = run_batched(models, prompts, sizes, bench_config(args), methods, args.schedule, args.max_batches)
+        res = run_batched(models, prompts, sizes, *bench_settings(args), methods, args.schedule, args.max_batches)
         results["dtypes"][dtype] = res
         print(format_batched(res, dtype))
     write_json(args.json, results)

@@ -17,8 +17,9 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..config import DEFAULT_SCHEDULE, GenerationConfig
+from ..config import DEFAULT_SCHEDULE, SpeculativeConfig
 from ..engine.sequence import Counters
+from ..sampling_params import SamplingParams
 from .args import autoregressive_of, variant_for
 
 
@@ -48,21 +49,21 @@ def hf_generate_padded(model, rows: list[list[int]], max_new_tokens: int, eos: f
     return seqs
 
 
-def run_batched(models: Callable[[str], Any], prompts: list[list[int]], batch_sizes: list[int], config: GenerationConfig,
-                methods: list[str], schedule: str = DEFAULT_SCHEDULE, max_batches: int | None = None) -> dict[str, Any]:
+def run_batched(models: Callable[[str], Any], prompts: list[list[int]], batch_sizes: list[int],
+                sampling: SamplingParams, config: SpeculativeConfig, methods: list[str], schedule: str = DEFAULT_SCHEDULE, max_batches: int | None = None) -> dict[str, Any]:
     """``methods`` may name a verification schedule per method, e.g. ``hispec:gather``; ``models(spec)``
     is the model a spec runs on (:class:`~hispec_decode.tools.args.ModelVariants`)."""
-    eos = config.eos_ids(models("autoregressive").decoder.default_eos_ids())
+    eos = sampling.eos_ids(models("autoregressive").decoder.default_eos_ids())
     results: dict[str, Any] = {}
     for b in batch_sizes:
         batches = [prompts[i : i + b] for i in range(0, len(prompts), b)][:max_batches]
         tallies = {m: BatchTally() for m in methods}
         for m in methods:  # warm-up at this batch size
-            _decode(models(m), m, batches[0], config.update(max_new_tokens=4), eos, schedule)
+            _decode(models(m), m, batches[0], sampling.replace(max_new_tokens=4), config, eos, schedule)
         for i, batch in enumerate(tqdm(batches, desc=f"batch size {b}", unit="batch")):
             for m in methods[i % len(methods):] + methods[: i % len(methods)]:
                 t0 = time.perf_counter()
-                seqs, out = _decode(models(m), m, batch, config, eos, schedule)
+                seqs, out = _decode(models(m), m, batch, sampling, config, eos, schedule)
                 t = tallies[m]
                 t.seconds += time.perf_counter() - t0
                 t.tokens += sum(map(len, seqs))
@@ -76,10 +77,11 @@ def run_batched(models: Callable[[str], Any], prompts: list[list[int]], batch_si
     return results
 
 
-def _decode(model, spec: str, batch: list[list[int]], config: GenerationConfig, eos: frozenset[int], schedule: str):
+def _decode(model, spec: str, batch: list[list[int]], sampling: SamplingParams, config: SpeculativeConfig,
+            eos: frozenset[int], schedule: str):
     if spec == "transformers":
-        return hf_generate_padded(model, batch, config.max_new_tokens, eos), None
-    out = model.generate(batch, config, **({"schedule": schedule} | variant_for(model, spec, config)))
+        return hf_generate_padded(model, batch, sampling.max_new_tokens, eos), None
+    out = model.generate(batch, sampling, config, **({"schedule": schedule} | variant_for(model, spec, config)))
     return out.sequences, out
 
 

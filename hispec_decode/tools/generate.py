@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from pathlib import Path
 
-from ..config import EngineConfig, GenerationConfig
+from ..config import EngineConfig, SpeculativeConfig, field_names, split_overrides
 from ..data.prompts import encode_prompt
 from ..errors import HiSpecError
+from ..sampling_params import SamplingParams
 from .args import add_config_args, add_model_args, config_overrides
 from .cli import add_debug_arg, run_cli
 
-GENERATION_ARGS = [f.name for f in dataclasses.fields(GenerationConfig)]
-ENGINE_ARGS = [f.name for f in dataclasses.fields(EngineConfig)]
+SETTINGS = (SamplingParams, SpeculativeConfig, EngineConfig)  # every field of each is an option
 
 
 def format_stats(stats: dict) -> str:
@@ -37,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", type=_prompt_ids, help="space-separated token ids (for bases without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="render prompts with the tokenizer's chat template")
     p.set_defaults(max_new_tokens=128)
-    add_config_args(p, GenerationConfig, GENERATION_ARGS)
-    add_config_args(p, EngineConfig, ENGINE_ARGS)
+    for cls in SETTINGS:
+        add_config_args(p, cls, field_names(cls))
     add_debug_arg(p)
     return p
 
@@ -59,9 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from ..api import HiSpecModel
 
-    overrides = config_overrides(args, GENERATION_ARGS + ENGINE_ARGS)
-    GenerationConfig().update(**{k: v for k, v in overrides.items() if k in GENERATION_ARGS})  # checked before loading
-    EngineConfig(**{k: v for k, v in overrides.items() if k in ENGINE_ARGS})
+    overrides = config_overrides(args, [name for cls in SETTINGS for name in field_names(cls)])
+    split_overrides(None, None, None, overrides)  # checked before loading
     texts = None
     if args.prompt is not None:
         texts = [args.prompt]

@@ -18,13 +18,11 @@ import signal
 import sys
 import threading
 
-from ..config import EngineConfig, GenerationConfig
+from ..config import EngineConfig, SpeculativeConfig, field_names
 from ..errors import HiSpecError
-from .args import POLICY_FIELDS, add_config_args, add_model_args, config_overrides
+from .args import add_config_args, add_model_args, config_overrides
 from .cli import add_debug_arg, positive_int, run_cli
 
-ENGINE_ARGS = ("num_blocks", "block_size", "schedule", "max_num_seqs", "prefill_chunk")
-SERVER_POLICY_ARGS = ("method", *POLICY_FIELDS, "draft_threshold", "verify_threshold", "batch_aware", "use_exit_vocab")
 API_KEY_ENV = "HISPEC_API_KEY"
 
 
@@ -43,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds running requests get to finish on SIGTERM before they are aborted (default: 10)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(max_num_seqs=16)
-    add_config_args(p, GenerationConfig, SERVER_POLICY_ARGS)
-    add_config_args(p, EngineConfig, ENGINE_ARGS)
+    for cls in (SpeculativeConfig, EngineConfig):  # per request: SamplingParams, from each request's fields
+        add_config_args(p, cls, field_names(cls))
     add_debug_arg(p)
     return p
 
@@ -64,17 +62,17 @@ def _run(args: argparse.Namespace) -> int:
         raise HiSpecError(f"hispec-serve needs the serve extra: pip install 'hispec[serve]' ({exc})") from None
     from ..api import HiSpecModel
 
-    generation = GenerationConfig().update(**config_overrides(args, SERVER_POLICY_ARGS))
-    engine_config = EngineConfig(**config_overrides(args, ENGINE_ARGS))
+    speculative = SpeculativeConfig(**config_overrides(args, field_names(SpeculativeConfig)))
+    engine_config = EngineConfig(**config_overrides(args, field_names(EngineConfig)))
     model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype, batch_invariant=args.batch_invariant)
-    engine = model.serve(generation, engine_config)
+    engine = model.build_engine(speculative, engine_config)
     name = args.served_model_name or model.base_name
     config = ServerConfig(name, args.api_key, args.max_queue, shutdown_timeout=args.shutdown_timeout)
     app = build_app(model, engine, config, engine_thread=False)
     policy = engine.policy
     log = logging.getLogger(__name__)
     log.info("%s: method %s (draft L%s, verify L%s, window %s), %d KV blocks of %d tokens, up to %s sequences at once",
-             name, generation.method, policy.draft_layer, policy.verify_layer, policy.window,
+             name, speculative.method, policy.draft_layer, policy.verify_layer, policy.window,
              engine.cache.manager.num_blocks, engine.cache.manager.block_size, engine_config.max_num_seqs)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout))

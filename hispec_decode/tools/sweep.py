@@ -16,16 +16,17 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..config import GenerationConfig
+from ..config import SpeculativeConfig
 from ..decoding.policy import Policy
 from ..files import save_figure, write_text
+from ..sampling_params import SamplingParams
 
 HISPEC_DRAFTS = (1, 2, 3, 4)
 HISPEC_WINDOWS = (2, 3, 4, 6, 8)
 SELF_SPEC_DRAFTS = (1, 2, 3, 4, 6)
 
 
-def label(c: GenerationConfig) -> str:
+def label(c: SpeculativeConfig) -> str:
     if c.method != "autoregressive" and c.draft_layer is None:
         return f"{c.method} (adapter's tuned policy)"
     if c.method == "hispec":
@@ -35,10 +36,10 @@ def label(c: GenerationConfig) -> str:
     return c.method
 
 
-def grid(p: Policy, max_new_tokens: int) -> list[GenerationConfig]:
+def grid(p: Policy) -> list[SpeculativeConfig]:
     """The configurations swept around a policy's exit layers ``p``."""
-    def config(method: str, **policy: int) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=max_new_tokens, method=method, **policy)
+    def config(method: str, **policy: int) -> SpeculativeConfig:
+        return SpeculativeConfig(method=method, **policy)
 
     configs = [config("autoregressive"), config("hispec"), config("self_spec")]  # the last two: tuned (adapter's policy)
     configs += [config("hispec", draft_layer=p.draft_layer, verify_layer=p.verify_layer, window=w, num_draft=k)
@@ -49,15 +50,15 @@ def grid(p: Policy, max_new_tokens: int) -> list[GenerationConfig]:
 
 
 def run_sweep(model, policy: Policy, prompts: list[list[int]], max_new_tokens: int) -> list[dict[str, Any]]:
-    configs = grid(policy, max_new_tokens)
+    configs, sampling = grid(policy), SamplingParams(max_new_tokens=max_new_tokens)
     tallies = {c: [0, 0.0, 0, 0, 0, 0] for c in configs}  # tokens, seconds, acc_i, drafted, acc_f, tentative
     for c in configs:  # warm-up
-        model.generate([prompts[0]], c, max_new_tokens=4)
+        model.generate([prompts[0]], sampling, c, max_new_tokens=4)
     for i, prompt in enumerate(tqdm(prompts, desc="sweep", unit="prompt")):
         order = configs[i % len(configs):] + configs[: i % len(configs)]
         for c in order:
             t0 = time.perf_counter()
-            (seq,) = model.generate([prompt], c).seqs
+            (seq,) = model.generate([prompt], sampling, c).seqs
             t = tallies[c]
             t[1] += time.perf_counter() - t0
             t[0] += len(seq.new_tokens)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.block_manager import DEFAULT_BLOCK_SIZE
+from ..cache.block_manager import DEFAULT_BLOCK_SIZE
 from ..engine.model_runner import ModelRunner
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # rows of one sequence (a speculative pass)

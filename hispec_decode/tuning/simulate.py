@@ -2,7 +2,7 @@
 
 A trace is one prompt with the base model's greedy continuation and, at every position, each exit's
 top token and top probability (one forward pass over the whole sequence). Replaying runs the real
-strategy (:mod:`hispec_decode.decoding.strategies`) against a stand-in runner that answers each
+strategy (:mod:`hispec_decode.engine.strategies`) against a stand-in runner that answers each
 band request from the trace and charges it with the measured :class:`CostModel`: the same rounds,
 gates and windows as real decoding, without running the model. Greedy acceptance is exact along
 the true prefix (a draft after a rejected one is discarded anyway); only the confidence of such
@@ -17,10 +17,10 @@ import torch
 
 from ..decoding.policy import Policy
 from ..decoding.sampling import Verdict, greedy_verdict
-from ..decoding.strategies import STRATEGIES, run_alone
-from ..engine.block_manager import DEFAULT_BLOCK_SIZE, BlockManager
-from ..engine.model_runner import BandRequest, ModelRunner
-from ..engine.sequence import Counters, Sequence
+from ..cache.block_manager import DEFAULT_BLOCK_SIZE, BlockManager
+from ..engine.model_runner import ModelRunner
+from ..engine.sequence import BandRequest, Counters, Sequence
+from ..engine.strategies import STRATEGIES, run_alone
 from .costs import CostModel
 
 
@@ -93,11 +93,6 @@ class _Sampler:
         return greedy_verdict(candidates, [int(t) for t in target_logits[:, 0]])
 
 
-class _Cache:
-    def __init__(self) -> None:
-        self.manager = BlockManager(4096, DEFAULT_BLOCK_SIZE)
-
-
 class _Runner:
     """Answers band requests from a trace and adds up their measured cost."""
 
@@ -107,7 +102,7 @@ class _Runner:
         self.speculative_requests = 0
 
     def advance(self, request: BandRequest) -> torch.Tensor:
-        seq, manager = request.seq, request.seq.cache.manager
+        seq, manager = request.seq, request.seq.blocks
         manager.reserve(seq.seq_id, len(seq.tokens))
         rows = [len(seq.tokens) - seq.processed(b) for b in range(request.top_band + 1)]
         plain = request.top_band == len(seq.exits) - 1 and request.num_logits == 1 and len(set(rows)) == 1
@@ -150,8 +145,8 @@ def replay(trace: Trace, method: str, policy: Policy, costs: CostModel, num_laye
            eos: frozenset[int]) -> Replay:
     """Decode ``trace``'s prompt under ``method`` and ``policy`` with the stand-in runner."""
     strategy = STRATEGIES[method]
-    cache = _Cache()
-    seq = Sequence(0, trace.tokens[: trace.prompt_length], cache, strategy.exits(policy, num_layers), _Sampler(),
+    blocks = BlockManager(4096, DEFAULT_BLOCK_SIZE)  # lengths only: the stand-in runner stores no K/V
+    seq = Sequence(0, trace.tokens[: trace.prompt_length], blocks, strategy.exits(policy, num_layers), _Sampler(),
                    trace.limit, eos, policy)
     seq.allocate()
     runner = _Runner(trace, costs, num_layers)

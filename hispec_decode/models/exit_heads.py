@@ -19,9 +19,9 @@ from torch import nn
 from ..errors import AdapterError
 
 if TYPE_CHECKING:
-    from ..engine.kv_cache import PagedKVCache
-    from ..models.base import DecoderModel, LayerKernels
-    from .attention import AttentionMeta
+    from ..cache.kv_cache import PagedKVCache
+    from .base import DecoderModel, LayerKernels
+    from ..layers.attention import AttentionMeta
 
 
 def check_vocab(ids: torch.Tensor, vocab_size: int | None = None, where: str = "exit vocabulary") -> None:

@@ -13,19 +13,18 @@ from typing import Any, Callable, Generator
 
 import torch
 
-from ..engine.model_runner import BandRequest
-from ..engine.sequence import Sequence
-from .policy import Policy
-from .sampling import Verdict
+from ..decoding.policy import Policy
+from ..decoding.sampling import Verdict
+from .sequence import BandRequest, Sequence
 
 # A strategy's decode loop is a generator: it yields the engine work it needs (a BandRequest),
 # receives that request's logits, and returns when the sequence is finished. The engine drives
 # many such loops and serves the requests of all of them that need the same layers in one
 # batched forward pass (see hispec_decode.engine.sequence for who holds what).
-Steps = Generator[BandRequest, torch.Tensor, Any]
+DecodeLoop = Generator[BandRequest, torch.Tensor, Any]
 
 
-def draft(seq: Sequence, count: int, threshold: float) -> Steps:
+def draft(seq: Sequence, count: int, threshold: float) -> DecodeLoop:
     """Propose up to ``count`` tokens from the draft exit (band 0) while its top probability is at
     least ``threshold``, stopping at EOS. Returns ``(drafts, their distributions or None when
     greedy)``; no drafts leaves band 0's hidden state waiting for the band above."""
@@ -45,18 +44,18 @@ def draft(seq: Sequence, count: int, threshold: float) -> Steps:
     return drafts, None if seq.sampler.greedy or not drafts else torch.stack(probs)
 
 
-def run_alone(steps: Steps, answer: Callable[[BandRequest], torch.Tensor]) -> None:
+def run_alone(loop: DecodeLoop, answer: Callable[[BandRequest], torch.Tensor]) -> None:
     """Drive one decode loop to its end outside an engine, answering each request with ``answer``
     (policy replays in tuning, strategy tests)."""
     try:
-        request = next(steps)
+        request = next(loop)
         while True:
-            request = steps.send(answer(request))
+            request = loop.send(answer(request))
     except StopIteration:
         pass
 
 
-def step_autoregressive(seq: Sequence, top_band: int) -> Steps:
+def step_autoregressive(seq: Sequence, top_band: int) -> DecodeLoop:
     """One plain decoding step through every band (no exit but the last is evaluated)."""
     logits = yield BandRequest(seq, top_band, 1)
     seq.counters.calls_full += 1
@@ -72,7 +71,7 @@ class Strategy(ABC):
         """Band tops this strategy splits the model at."""
 
     @abstractmethod
-    def decode(self, seq: Sequence) -> Steps:
+    def decode(self, seq: Sequence) -> DecodeLoop:
         """Extend ``seq.tokens`` until EOS or the limit, under ``seq.policy``."""
 
 
@@ -82,7 +81,7 @@ class Autoregressive(Strategy):
     def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
         return (num_layers,)
 
-    def decode(self, seq: Sequence) -> Steps:
+    def decode(self, seq: Sequence) -> DecodeLoop:
         while not seq.is_finished:
             yield from step_autoregressive(seq, 0)
 
@@ -95,7 +94,7 @@ class SelfSpec(Strategy):
     def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
         return (policy.draft_layer, num_layers)
 
-    def decode(self, seq: Sequence) -> Steps:
+    def decode(self, seq: Sequence) -> DecodeLoop:
         while not seq.is_finished:
             draft_threshold, _ = seq.policy.at_batch(seq.batch_size)
             if draft_threshold > 1:  # speculation cannot pay at this batch size
@@ -125,7 +124,7 @@ class HiSpec(Strategy):
             return SelfSpec().exits(policy, num_layers)
         return (policy.draft_layer, policy.verify_layer, num_layers)
 
-    def decode(self, seq: Sequence) -> Steps:
+    def decode(self, seq: Sequence) -> DecodeLoop:
         policy = seq.policy
         if len(seq.exits) == 2:  # no intermediate level
             yield from SelfSpec().decode(seq)

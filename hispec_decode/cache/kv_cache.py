@@ -49,13 +49,6 @@ class PagedKVCache:
         idx = [table[p // bs] * bs + p % bs for p in range(start, end)]
         return torch.tensor(idx, dtype=torch.long, device=self.device)
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Apply the block manager's copy-on-write instructions to every layer."""
-        bs = self.block_size
-        for src, dst in copies:
-            for pool in self.keys + self.values:
-                pool[:, dst * bs : (dst + 1) * bs] = pool[:, src * bs : (src + 1) * bs]
-
     def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V ``[1, n_kv, T, d]`` at ``slots`` (T of them)."""
         keys, values = self.keys[layer], self.values[layer]
