@@ -1,2 +1,3 @@
-"""The engine: sequences, the block manager and paged KV cache, the model runner that advances
-sequences through bands of layers, the scheduler, and the continuous-batching ``LLMEngine``."""
+"""The engine: sequences and the decode loops of the strategies (autoregressive, self_spec,
+hispec), the model runner that advances sequences through bands of layers, the scheduler, and the
+continuous-batching ``LLMEngine``. The paged cache it runs on is :mod:`hispec_decode.cache`."""

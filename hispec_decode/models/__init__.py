@@ -1,4 +1,5 @@
-"""Base models: loading them (Hub, local, GGUF, PEFT LoRA) and running their layers in slices."""
+"""Base models: loading them (Hub, local, GGUF, PEFT LoRA), running their layers in slices, and the
+exit heads that sit on them (``exit_heads.py``)."""
 
 from .base import DecoderModel, LayerKernels
 from .loading import LoadedBase, load_base, parse_dtype
