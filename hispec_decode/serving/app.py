@@ -24,7 +24,6 @@ from starlette.exceptions import HTTPException
 from ..api import HiSpecModel
 from ..engine.llm_engine import LLMEngine
 from ..errors import HiSpecError
-from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
 from .completions import CompletionRun, CompletionStream, Job
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -136,15 +135,16 @@ def build_app(model: HiSpecModel, engine: LLMEngine, config: ServerConfig, engin
                 raise ServerError(400, f"the prompt has {len(prompt)} tokens; this model's context holds {context}, "
                                        f"leaving no room for min_tokens ({req.min_tokens})", "min_tokens")
         stop = req.stop_strings()
-        eos = None
+        fields: dict[str, Any] = {}
         if req.hispec.ignore_eos or req.stop_token_ids:  # vLLM's stop_token_ids end a choice as EOS does
-            eos = tuple(sorted((set() if req.hispec.ignore_eos else set(default_eos)) | set(req.stop_token_ids or ())))
-        try:  # the request's OpenAI fields, as SamplingParams (choice i samples with seed + i)
-            sampling = SamplingParams(
+            eos = set() if req.hispec.ignore_eos else set(default_eos)
+            fields["eos_token_id"] = tuple(sorted(eos | set(req.stop_token_ids or ())))
+        try:  # the request's OpenAI fields onto the engine's SamplingParams (choice i samples with seed + i)
+            sampling = engine.sampling_params.replace(
                 max_new_tokens=max_tokens or context - max(len(p) for p in prompts),
                 do_sample=(req.temperature if req.temperature is not None else 1.0) > 0,
                 temperature=req.temperature or 1.0, top_p=req.top_p if req.top_p is not None else 1.0,
-                top_k=req.hispec.top_k, seed=req.seed, eos_token_id=eos, drafter_invariant=req.hispec.drafter_invariant)
+                top_k=req.hispec.top_k, seed=req.seed, drafter_invariant=req.hispec.drafter_invariant, **fields)
         except HiSpecError as exc:
             raise ServerError(400, str(exc)) from None
         options = req.stream_options
