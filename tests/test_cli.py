@@ -27,9 +27,17 @@ def test_generate_reports_bad_input(tiny_models, capsys):
 def test_bench_runs_and_writes_json(tiny_models, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert bench.main(["--base", str(tiny_models["qwen3"].path), "--dtypes", "float32,bfloat16", "--num-prompts", "2",
-                       "--max-new-tokens", "12", "--json", str(out), "--draft-layer", "1", "--verify-layer", "3"]) == 0
+                       "--max-new-tokens", "12", "--json", str(out), "--draft-layer", "1", "--verify-layer", "3",
+                       "--profile"]) == 0
     results = json.loads(out.read_text())
     fp32 = results["dtypes"]["float32"]["methods"]
+    roof, prof = results["dtypes"]["float32"]["roofline"], results["dtypes"]["float32"]["profile"]
+    model = tiny_models["qwen3"].reference
+    everything = sum(p.numel() * 4 for p in model.parameters())
+    assert everything - model.get_input_embeddings().weight.numel() * 4 <= roof["bytes_per_step"] <= everything
+    assert roof["bandwidth_gb_per_s"] > 0.1 and 0 < roof["fraction_of_bound_autoregressive"] < 1
+    assert prof["seconds"]["linears"] > 0 and prof["seconds"]["attention"] > 0 and prof["seconds"]["python"] >= 0
+    assert abs(sum(prof["fractions"].values()) - 1) < 1e-6 or prof["seconds"]["python"] == 0
     assert set(fp32) == set(bench.METHODS)
     assert all(r["matches_transformers"] == "2/2" for r in fp32.values())  # fp32 is exact
     assert fp32["autoregressive"]["ratio_to_autoregressive"] == 1.0

@@ -32,6 +32,8 @@ from ..sampling_params import SamplingParams
 from .args import (POLICY_ARGS, SAMPLING_ARGS, ModelVariants, add_config_args, add_model_args, autoregressive_of,
                    config_overrides, method_variant, variant_for)
 from .cli import add_debug_arg, positive_int, positive_int_list, run_cli
+from .profile_split import profile_split
+from .roofline import memory_bandwidth, roofline
 
 logger = logging.getLogger(__name__)
 METHODS = ("transformers", "autoregressive", "self_spec", "self_spec:fixed", "hispec", "hispec:fixed", "hispec:paper")
@@ -119,6 +121,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         model = models("autoregressive")
         prompts = bench_prompts(model, args.num_prompts, args.prompts)
         sampling, config = bench_settings(args)
+        bandwidth = memory_bandwidth()  # measured before and after the methods; the better one counts
         methods = [m for m in args.methods.split(",") if m]
         tallies = {m: Tally() for m in methods}
         for m in methods:  # warm-up: first calls allocate and tune kernels
@@ -146,11 +149,17 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if baseline is not None:
                 tally.matches = sum(a == b for a, b in zip(tally.outputs, baseline.outputs))
         policy = model.policy(config, method="hispec")
+        rows = {m: t.row(baseline, tallies.get(autoregressive_of(m))) for m, t in tallies.items()}
+        bandwidth = max(bandwidth, memory_bandwidth())
         results["dtypes"][dtype] = {
-            "methods": {m: t.row(baseline, tallies.get(autoregressive_of(m))) for m, t in tallies.items()},
+            "methods": rows,
+            "roofline": roofline(model.base_model, {m: r["tokens_per_second"] for m, r in rows.items()}, bandwidth),
             "policy": asdict(policy) | {"self_spec_num_draft": model.policy(config, method="self_spec").num_draft},
             "verification_wall": verification_wall(model, policy, prompts[0]),
         }
+        if args.profile:
+            results["dtypes"][dtype]["profile"] = profile_split(
+                lambda: model.generate([prompts[0]], sampling, config, method="autoregressive"))
     return results
 
 
@@ -173,6 +182,18 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(f"verification wall ({dtype}): full pass {w['full_pass_ms']:.1f} ms / draft pass "
                      f"{w['draft_pass_ms']:.1f} ms = {w['full_over_draft']:.2f}x; a {res['policy']['window'] + 1}-token "
                      f"full pass costs {w['verify_over_full']:.2f}x a 1-token one")
+        if "roofline" in res:
+            r = res["roofline"]
+            fractions = ", ".join(f"{k.removeprefix('fraction_of_bound_')} {100 * v:.0f}%" for k, v in r.items()
+                                  if k.startswith("fraction_of_bound_"))
+            lines.append(f"memory-bandwidth bound ({dtype}): {r['bandwidth_gb_per_s']:.1f} GB/s over "
+                         f"{r['bytes_per_step'] / 1e6:.0f} MB of weights per step = {r['bound_tokens_per_second']:.1f} "
+                         f"tok/s; of it: {fractions}")
+        if "profile" in res:
+            f = res["profile"]["fractions"]
+            lines.append(f"profile ({dtype}, autoregressive, first prompt): attention {100 * f['attention']:.0f}%, "
+                         f"linears {100 * f['linears']:.0f}%, other ops {100 * f['other_ops']:.0f}%, "
+                         f"outside operators {100 * f['python']:.0f}%")
         lines.append(f"policy ({dtype}): {res['policy']}")
         lines.append("")
     return "\n".join(lines)
@@ -194,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(mixed), or plain text to continue without the chat template (continuation)")
     p.add_argument("--json", type=Path, default=None, help="write the numbers to this file")
     p.add_argument("--plot", type=Path, default=None, help="draw tokens/s and tokens per full pass per method (PNG)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one autoregressive run: its time split into attention, linears and the rest")
     p.add_argument("--sweep", type=Path, nargs="?", const=Path("docs"), default=None, metavar="DIR",
                    help="sweep hispec/self_spec policies instead (JSON, table and plot per dtype to DIR, default docs/)")
     p.add_argument("--batch-sizes", type=positive_int_list, default=None, metavar="B1,B2,...",
