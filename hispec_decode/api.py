@@ -92,8 +92,9 @@ class HiSpecModel:
         """The exits and windows a speculative config resolves to on this model (the adapter's
         tuned policy and roles fill what it leaves open)."""
         config = checked(speculative_config, SpeculativeConfig, "speculative_config")
-        if set(overrides) - SPECULATIVE_FIELDS:
-            raise unknown_arguments(set(overrides) - SPECULATIVE_FIELDS, SPECULATIVE_FIELDS, "speculative")
+        unknown = set(overrides) - SPECULATIVE_FIELDS
+        if unknown:
+            raise unknown_arguments(unknown, SPECULATIVE_FIELDS, "speculative")
         config = dataclasses.replace(config, **overrides) if overrides else config
         roles, tuned = {}, None
         if self.adapter is not None:

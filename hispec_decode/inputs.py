@@ -9,13 +9,13 @@ booleans, ids outside the vocabulary, empty prompts, prompts that fill the conte
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .errors import HiSpecError
+from .validation import is_int
 
 
 def prompt_rows(input_ids: Any, vocab_size: int, max_positions: int) -> list[list[int]]:
@@ -51,7 +51,7 @@ def _rows(input_ids: Any) -> list[list[int]]:
         items = list(input_ids)
     except TypeError:
         raise HiSpecError(f"input_ids must be token ids (a tensor or lists of ints); got {type(input_ids).__name__}") from None
-    if items and all(_is_token(t) for t in items):  # a flat list of ids: one prompt
+    if items and all(is_int(t) for t in items):  # a flat list of ids: one prompt
         return [[int(t) for t in items]]
     return [_ids(r, i) for i, r in enumerate(items)]
 
@@ -70,8 +70,8 @@ def _ids(row: Any, i: int) -> list[int]:
         items = list(row)
     except TypeError:
         raise HiSpecError(f"input_ids: prompt {i} must be a list of token ids; got {type(row).__name__}") from None
-    if not all(_is_token(t) for t in items):
-        bad = next(t for t in items if not _is_token(t))
+    if not all(is_int(t) for t in items):
+        bad = next(t for t in items if not is_int(t))
         raise HiSpecError(f"input_ids: prompt {i} holds {bad!r}, which is not a token id (an integer)")
     return [int(t) for t in items]
 
@@ -89,5 +89,3 @@ def _is_array(x: Any) -> bool:
     return False
 
 
-def _is_token(t: Any) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)

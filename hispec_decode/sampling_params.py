@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +37,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         as_int(self, "max_new_tokens", "top_k", "seed")
         eos = self.eos_token_id
-        if isinstance(eos, (list, tuple)) or (hasattr(eos, "tolist") and not isinstance(eos, numbers.Integral)):
+        if isinstance(eos, (list, tuple)) or (hasattr(eos, "tolist") and not is_int(eos)):
             items = eos.tolist() if hasattr(eos, "tolist") else list(eos)
             object.__setattr__(self, "eos_token_id", tuple(items) if isinstance(items, list) else items)
-        elif isinstance(eos, numbers.Integral) and not isinstance(eos, bool):
+        elif is_int(eos):
             object.__setattr__(self, "eos_token_id", int(eos))
         check_int("max_new_tokens", self.max_new_tokens, 1)
         check_int("seed", self.seed, 0, optional=True)

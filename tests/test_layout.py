@@ -11,8 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hispec_decode"
 # bottom to top; a module imports from its own package and from lower layers only
 LAYERS = [
     {"errors", "version"},
-    {"validation", "files", "inputs", "data"},  # checks, atomic writes, prompt rows, prompt sets
-    {"cache"},  # block manager (torch-free) and paged K/V
+    {"validation", "files", "data"},  # field checks, atomic writes, prompt sets
+    {"inputs", "cache"},  # prompts as checked rows; block manager (torch-free) and paged K/V
     {"sampling_params", "layers"},  # per-request settings; attention and linears
     {"config"},  # per-engine settings
     {"models", "decoding"},  # base models and the exit heads on them; sampling and policy math

@@ -71,8 +71,9 @@ class LLMEngine:
         if fixed:
             raise HiSpecError(f"{', '.join(fixed)} is fixed per engine (SpeculativeConfig, here {self.method}); build "
                               f"another engine with model.build_engine(...) to change it")
-        if set(overrides) - SAMPLING_FIELDS:
-            raise unknown_arguments(set(overrides) - SAMPLING_FIELDS, SAMPLING_FIELDS, "request")
+        unknown = set(overrides) - SAMPLING_FIELDS
+        if unknown:
+            raise unknown_arguments(unknown, SAMPLING_FIELDS, "request")
         params = checked(sampling_params or self.sampling_params, SamplingParams, "sampling_params").replace(**overrides)
         decoder = self.runner.decoder
         (row,) = prompt_rows([prompt], decoder.vocab_size, decoder.max_positions)
