@@ -1,4 +1,5 @@
-"""The checks the settings dataclasses and the prompt reader share: a bad value fails with a message naming the field."""
+"""The checks the settings dataclasses and the prompt reader share: a bad value fails with a
+message naming the field."""
 
 from __future__ import annotations
 
