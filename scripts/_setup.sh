@@ -23,3 +23,6 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     DS_BUILD_OPS=0 python -m pip install --quiet "deepspeed==0.19.8" || echo "[setup] DeepSpeed not installed: its test will be skipped"
     touch "$STAMP"
 fi
+# The compiled decode kernels (C++/OpenMP; about a minute the first time, then cached). Without a
+# compiler this prints why and everything runs on the torch fallbacks.
+python -m hispec_decode.kernels

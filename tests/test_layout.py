@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hispec_decode"
 # bottom to top; a module imports from its own package and from lower layers only
 LAYERS = [
     {"errors", "version"},
-    {"validation", "files", "data"},  # field checks, atomic writes, prompt sets
+    {"validation", "files", "data", "kernels"},  # field checks, atomic writes, prompt sets; compiled ops
     {"inputs", "cache"},  # prompts as checked rows; block manager (torch-free) and paged K/V
     {"sampling_params", "layers"},  # per-request settings; attention and linears
     {"config"},  # per-engine settings

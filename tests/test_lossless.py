@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hispec_decode import HiSpecAdapter
+from hispec_decode import HiSpecAdapter, kernels
 from hispec_decode.adapter import ExitSpec
 
 from conftest import ARCHS, LAYERS, identity_above, save_tiny, zero_head
@@ -43,6 +43,21 @@ def test_self_spec_matches_transformers(arch, draft_layer, hispec_models, refere
             out = hispec_models[arch].generate([prompt], max_new_tokens=NEW, method="self_spec",
                                                draft_layer=draft_layer, num_draft=num_draft)
             assert out.sequences[0] == references[arch, n], (num_draft, n)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_torch_fallbacks_match_transformers(arch, tiny_models, references):
+    """Where the compiled kernels are off (no compiler, ``HISPEC_KERNELS=0``) the torch code runs."""
+    with kernels.disabled():
+        model = tiny_models[arch].load()
+        for n, prompt in PROMPTS.items():
+            for method in ("autoregressive", "hispec"):
+                out = model.generate([prompt], max_new_tokens=NEW, method=method, draft_layer=1, verify_layer=3,
+                                     window=4, num_draft=3)
+                assert out.sequences[0] == references[arch, n], (method, n)
+        batch = model.generate(list(PROMPTS.values()), max_new_tokens=NEW, method="hispec", draft_layer=1,
+                               verify_layer=3)
+        assert batch.sequences == [references[arch, n] for n in PROMPTS]
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt", "qwen3"])

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
+
 if TYPE_CHECKING:
     from ..cache.kv_cache import PagedKVCache, Slots
 
@@ -60,6 +62,13 @@ class AttentionMeta:
     write: Slots  # pool slots of the T new tokens
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: [1, 1, T, head_dim]
     _groups: list[RowGroup] | None = field(default=None, repr=False)
+    _rows: PagedRows | None = field(default=None, repr=False)
+
+    def paged_rows(self, cache: PagedKVCache) -> PagedRows:
+        """Every new row's sequence, visible keys and block table, for the paged kernel (built once per call)."""
+        if self._rows is None:
+            self._rows = PagedRows.build(self.segments, cache)
+        return self._rows
 
     def row_groups(self, block_size: int) -> list[RowGroup]:
         """The segments with one new token in padded groups (built once per call)."""
@@ -74,6 +83,39 @@ class AttentionMeta:
             s = self.segments[0]
             return slice(s.start, s.start + s.num_new)
         return None
+
+
+@dataclass
+class PagedRows:
+    """What the paged attention kernel reads for each query row of a call: row ``r`` belongs to
+    segment ``seq[r]``, whose pool blocks are ``tables[seq[r]]``, and sees positions
+    ``lo .. length[r] - 1`` (causal; ``lo`` > 0 only under a sliding window)."""
+
+    seq: torch.Tensor  # [T] int64
+    length: torch.Tensor  # [T] int64
+    tables: torch.Tensor  # [segments, max blocks] int32
+    _lo: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, segments: list[Segment], cache: PagedKVCache) -> PagedRows:
+        seq, length, tables = [], [], []
+        for i, s in enumerate(segments):
+            seq += [i] * s.num_new
+            length += range(s.start + 1, s.start + s.num_new + 1)
+            tables.append(cache.manager.table(s.seq_id)[: -(-(s.start + s.num_new) // cache.block_size)])
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        return cls(torch.tensor(seq), torch.tensor(length), padded)
+
+    def lo(self, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window not in self._lo:
+            self._lo[sliding_window] = (torch.zeros_like(self.length) if sliding_window is None
+                                        else (self.length - sliding_window).clamp(min=0))
+        return self._lo[sliding_window]
+
+
+PAGED_MAX_NEW = 32  # segments of at most this many new tokens go to the paged kernel; longer ones
+# (prefill chunks) to the flash kernel, whose tiling wins there
 
 
 @dataclass
@@ -152,8 +194,13 @@ def attend(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Write the new K/V into ``layer``'s pool, then let each sequence attend to its own past
-    and new tokens (gather-then-SDPA, grouped KV heads); returns [1, T, n_heads * head_dim]."""
+    and new tokens; returns [1, T, n_heads * head_dim]. On CPU with the compiled kernels, a call
+    whose segments are all short (decoding, verification) is one paged-kernel call over the pool;
+    otherwise gather-then-SDPA per long segment and batched products for one-token rows."""
     cache.write(layer, meta.write, k, v)
+    kern = kernels.ops() if q.device.type == "cpu" else None
+    if kern is not None and all(s.num_new <= PAGED_MAX_NEW for s in meta.segments):
+        return _attend_paged(kern, q, meta, cache, layer, scale, sliding_window)
     gqa = q.shape[1] != k.shape[1]
     if len(meta.segments) == 1:
         seg = meta.segments[0]
@@ -170,6 +217,14 @@ def attend(
     for group in meta.row_groups(cache.block_size):
         out[:, :, group.rows] = _attend_rows(q, group, cache, layer, scale, sliding_window)
     return out.transpose(1, 2).flatten(2)
+
+
+def _attend_paged(kern, q: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache, layer: int, scale: float,
+                  sliding_window: int | None) -> torch.Tensor:
+    rows = meta.paged_rows(cache)
+    out = kern.paged_attention(q[0].contiguous(), cache.keys[layer], cache.values[layer], rows.seq, rows.length,
+                               rows.lo(sliding_window), rows.tables, cache.block_size, scale)
+    return out[None]
 
 
 def _attend_rows(q: torch.Tensor, group: RowGroup, cache: PagedKVCache, layer: int, scale: float,
@@ -205,8 +260,13 @@ def attend_invariant(
     model dtype's). Every call for a token at position ``t`` then has the same shapes and inputs
     (its ``q``, the K/V of positions ``<= t``) whether the token is decoded alone, in a
     verification pass beside other tentative tokens, in a prefill, or beside other sequences, so it
-    computes the same bits: no padding, grouping or kernel choice depends on the rest of the pass."""
+    computes the same bits: no padding, grouping or kernel choice depends on the rest of the pass.
+    With the compiled kernels, every row of the call goes through the paged kernel, which computes
+    each row alone by construction."""
     cache.write(layer, meta.write, k, v)
+    kern = kernels.ops() if q.device.type == "cpu" else None
+    if kern is not None:
+        return _attend_paged(kern, q, meta, cache, layer, scale, sliding_window)
     n_heads, d = q.shape[1], q.shape[3]
     out = torch.empty_like(q)
     for seg in meta.segments:

@@ -1,12 +1,20 @@
-"""Linear layers for the decode engine: fused, and pre-packed for oneDNN on CPU.
+"""Linear layers for the decode engine: fused, and pre-packed for the CPU's kernels.
 
-At batch 1 a decoder is a chain of matrix-vector products. On CPU, oneDNN runs them about
-twice as fast when the weight is reordered once into its blocked layout (measured here:
-bf16 3072x576 in 52 us packed vs 135 us through ``F.linear``; the 49152x576 LM head in
-2.1 ms vs 5.7 ms), so on CPU the engine keeps packed copies of the linear weights: the price
-is a second copy of those weights in memory (``pack_weights=False`` turns it off). Elsewhere
-(CUDA, float16), linears sharing an input are fused by re-pointing the module parameters at
-slices of one concatenated tensor, so nothing is stored twice.
+At batch 1 a decoder is a chain of matrix-vector products, bound by reading the weights. On CPU
+the engine keeps packed copies of the linear weights (``pack_weights=False`` turns it off):
+
+- oneDNN's blocked layout (``_reorder_linear_weight``), about twice as fast as ``F.linear``;
+  it uses AMX from about 8 rows on;
+- in bf16 where the compiled kernels are built, a VNNI layout for this project's AVX-512 BF16
+  kernel (:mod:`hispec_decode.kernels`), which streams the weight near memory bandwidth: on a
+  chain of SmolLM2's 120 per-layer weights it ran 1.4-2.0x oneDNN at 1-2 rows, 1.1-1.4x at 4,
+  0.7-1.0x at 8 and 0.5x at 16, so calls of up to :data:`VNNI_MAX_ROWS` rows use it. It computes
+  every row in an order that ignores the other rows, so the batch-invariant mode runs every call
+  on it, whatever its row count, instead of cutting calls into fixed-size chunks.
+
+The price is memory: up to two packed copies beside the model's own weights. Elsewhere (CUDA,
+float16), linears sharing an input are fused by re-pointing the module parameters at slices of
+one concatenated tensor, so nothing is stored twice.
 """
 
 from __future__ import annotations
@@ -16,6 +24,30 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .. import kernels
+
+VNNI_MAX_ROWS = 4  # calls of at most this many rows use the VNNI kernel (measured, see above)
+
+
+def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/16), ceil(K/2), 16, 2]: per 16 output columns and input pair one vector."""
+    n, k = weight.shape
+    w = F.pad(weight, (0, k % 2, 0, (-n) % 16))
+    return w.view(w.shape[0] // 16, 16, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x @ W.T + bias`` on a :func:`pack_vnni` weight with ``n`` outputs (bf16, CPU)."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[1] % 2:
+        flat = F.pad(flat, (0, 1))
+    y = kernels.ops().linear_bf16(flat.contiguous(), packed, bias.float() if bias is not None else _NO_BIAS)
+    return (y if y.shape[1] == n else y[:, :n]).reshape(*lead, n)
+
+
+_NO_BIAS = torch.empty(0)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -48,7 +80,8 @@ def in_row_chunks(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, rows: int)
 
 class FusedLinear:
     """``y = x @ cat(W_i).T + cat(b_i)`` for linears that read the same input; with ``rows`` set
-    (the batch-invariant mode), every call runs on chunks of exactly that many rows."""
+    (the batch-invariant mode), every call runs on the VNNI kernel where it exists, else on
+    chunks of exactly that many rows."""
 
     def __init__(self, linears: list[nn.Linear], pack: bool = True, rows: int | None = None) -> None:
         self.rows = rows
@@ -57,7 +90,14 @@ class FusedLinear:
         has_bias = any(lin.bias is not None for lin in linears)
         biases = [lin.bias.detach() if lin.bias is not None else w.new_zeros(w.shape[0]) for lin, w in zip(linears, weights)]
         self.packed = pack and can_pack(weights[0])
-        if self.packed:
+        self.vnni: torch.Tensor | None = None  # the VNNI copy (bf16 with the compiled kernel)
+        self.out_features = sum(self.sizes)
+        if self.packed and weights[0].dtype == torch.bfloat16 and kernels.has_linear_bf16():
+            self.vnni = pack_vnni(torch.cat(weights) if len(weights) > 1 else weights[0])
+            self.vnni_bias = torch.cat(biases).float() if has_bias else None
+        if self.packed and self.vnni is not None and rows is not None:  # every call on the VNNI kernel
+            self.weight, self.bias = None, None
+        elif self.packed:
             weight = torch.cat(weights) if len(weights) > 1 else weights[0]
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             self.bias = torch.cat(biases) if has_bias else None
@@ -74,6 +114,8 @@ class FusedLinear:
                 offset += n
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni is not None and (self.rows is not None or x[..., 0].numel() <= VNNI_MAX_ROWS):
+            return vnni_linear(x, self.vnni, self.vnni_bias, self.out_features)
         if self.rows is not None:
             return in_row_chunks(self._apply, x, rows=self.rows)
         return self._apply(x)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..layers.attention import AttentionMeta
 from ..cache.kv_cache import PagedKVCache
 from .base import AttentionFn, DecoderModel, LayerKernels, module_linears
@@ -13,12 +13,7 @@ from .base import AttentionFn, DecoderModel, LayerKernels, module_linears
 
 def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """RMSNorm as transformers computes it: normalise in float32, scale in the model's dtype."""
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return kernels.rms_norm(x, norm.weight, norm.variance_epsilon)
 
 
 class LlamaModel(DecoderModel):
@@ -77,11 +72,11 @@ class LlamaModel(DecoderModel):
         if mlp is None:  # attention only
             qkv = self.linear(a.q_proj, a.k_proj, a.v_proj).split if packed else module_linears(a.q_proj, a.k_proj, a.v_proj)
             return LayerKernels(module, qkv, self.linear(a.o_proj) if packed else a.o_proj, None, None, sliding_window)
-        if packed:
+        if packed:  # mlp_in: the fused [..., 2 * intermediate] gate/up output
             return LayerKernels(module, self.linear(a.q_proj, a.k_proj, a.v_proj).split, self.linear(a.o_proj),
-                                self.linear(mlp.gate_proj, mlp.up_proj).split, self.linear(mlp.down_proj), sliding_window)
+                                self.linear(mlp.gate_proj, mlp.up_proj), self.linear(mlp.down_proj), sliding_window)
         return LayerKernels(module, module_linears(a.q_proj, a.k_proj, a.v_proj), a.o_proj,
-                            module_linears(mlp.gate_proj, mlp.up_proj), mlp.down_proj, sliding_window)
+                            lambda x: torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1), mlp.down_proj, sliding_window)
 
     def block(self, k: LayerKernels, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
               attn: AttentionFn) -> torch.Tensor:
@@ -92,15 +87,15 @@ class LlamaModel(DecoderModel):
         q, key, v = q.view(B, T, -1, d), key.view(B, T, -1, d), v.view(B, T, -1, d)
         if hasattr(a, "q_norm"):  # Qwen3
             q, key = rms_norm(q, a.q_norm), rms_norm(key, a.k_norm)
-        q, key, v = q.transpose(1, 2), key.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, d]
-        cos, sin = rope
-        q = q * cos + _rotate_half(q) * sin
-        key = key * cos + _rotate_half(key) * sin
-        h = h + k.out(attn(q, key, v, a.scaling, k.sliding_window))
+        q, key = kernels.rope(q, key, *rope)  # [B, heads, T, d]
+        h = h + k.out(attn(q, key, v.transpose(1, 2), a.scaling, k.sliding_window))
         if k.mlp_in is None:
             return h
         x = rms_norm(h, layer.post_attention_layernorm)
-        gate, up = k.mlp_in(x)
+        gate_up = k.mlp_in(x)
+        if self.config.hidden_act == "silu":
+            return h + k.mlp_out(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return h + k.mlp_out(layer.mlp.act_fn(gate) * up)
 
     def model_norm_params(self) -> dict[str, torch.Tensor]:
@@ -108,4 +103,4 @@ class LlamaModel(DecoderModel):
 
     def exit_norm(self, h: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         weight = (self.norm_params() if params is None else params)["weight"]
-        return weight * F.rms_norm(h.float(), (h.shape[-1],), None, self.inner.norm.variance_epsilon).to(h.dtype)
+        return kernels.rms_norm(h, weight, self.inner.norm.variance_epsilon)

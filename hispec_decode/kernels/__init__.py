@@ -1,0 +1,129 @@
+"""Compiled CPU kernels for the decode path, with the torch code they replace as the fallback.
+
+Five C++/OpenMP kernels (``csrc/``) replace chains of small torch ops or slow kernels on a
+decoding step: a bf16 linear on a VNNI-packed weight (AVX-512 BF16; at 1-4 rows it streams the
+weight near memory bandwidth where oneDNN reaches about half of it), attention of every query row
+of a pass over its own paged K/V in one call, RMSNorm, rotary embedding and ``silu(gate) * up``.
+Each rounds where the torch ops do (:mod:`.native` holds those ops; the tests compare both), and
+the linear and attention kernels compute every row independently of the other rows of the call.
+
+They are compiled on first use (``torch.utils.cpp_extension``, g++ and ninja; about a minute,
+cached under ``$HISPEC_KERNELS_DIR`` or ``~/.cache/hispec/kernels``); the README's set-up builds
+them. Without a compiler, on a non-x86 CPU or with ``HISPEC_KERNELS=0`` everything runs on the
+torch fallbacks, with a warning saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+from typing import Iterator
+
+import torch
+
+from . import native
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_attention.cpp", "elementwise.cpp")
+ENV_SWITCH = "HISPEC_KERNELS"  # "0" turns the kernels off
+ENV_DIR = "HISPEC_KERNELS_DIR"
+
+
+def build_directory() -> Path:
+    return Path(os.environ.get(ENV_DIR) or Path.home() / ".cache" / "hispec" / "kernels")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") not in ("0", "false", "no", "off")
+
+
+@lru_cache(maxsize=1)
+def _load() -> ModuleType | None:
+    if not enabled():
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        logger.warning("hispec kernels: built for x86-64 only; this %s CPU uses the torch fallbacks", platform.machine())
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        csrc = Path(__file__).parent / "csrc"
+        flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+        return load("hispec_kernels", [str(csrc / s) for s in SOURCES], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths still work
+        logger.warning("hispec kernels: not available (%s: %s); using the torch fallbacks",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+
+
+_off = 0  # depth of disabled() blocks
+
+
+def ops() -> ModuleType | None:
+    """The compiled kernels, or None where they are off or could not be built."""
+    return None if _off else _load()
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Run on the torch fallbacks inside this block (models built in it keep no kernel weights)."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
+
+
+def has_linear_bf16() -> bool:
+    k = ops()
+    return k is not None and k.linear_bf16_available()
+
+
+def main() -> None:
+    """``python -m hispec_decode.kernels``: build the kernels now (the README's set-up runs it)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    k = ops()
+    if k is None:
+        print("[kernels] not built: the torch fallbacks will be used")
+    else:
+        print(f"[kernels] ready in {build_directory()} (AVX-512 BF16 linear: "
+              f"{'yes' if k.linear_bf16_available() else 'no, oneDNN is used'})")
+
+
+def _use(*xs: torch.Tensor) -> ModuleType | None:
+    """The kernels for inference on CPU tensors (they have no backward: training uses torch)."""
+    k = ops()
+    if k is None or any(x.device.type != "cpu" for x in xs):
+        return None
+    if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+        return None
+    return k
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    k = _use(x, weight) if weight.dtype == x.dtype else None
+    return k.rms_norm(x, weight, eps) if k is not None else native.rms_norm(x, weight, eps)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, T, H, d] and k [1, T, Hk, d] rotated, as [1, H, T, d] and [1, Hk, T, d]."""
+    kern = _use(q, k, cos) if q.shape[0] == 1 and cos.dtype == q.dtype == k.dtype else None
+    if kern is None:
+        return native.rope(q, k, cos, sin)
+    qo, ko = kern.rope(q, k, cos, sin)
+    return qo, ko
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    k = _use(x)
+    return k.silu_and_mul(x) if k is not None else native.silu_and_mul(x)

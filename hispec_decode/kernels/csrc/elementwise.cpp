@@ -1,0 +1,103 @@
+// The small ops of a decoder layer, one call each instead of a chain of torch ops. Each rounds to
+// the model's dtype exactly where the torch ops it replaces do (hispec_decode/kernels/native.py
+// holds those torch ops; tests compare the two), so only float32 sums may differ in the last bit.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+
+namespace {
+
+template <typename T>
+inline float f(T x) { return static_cast<float>(x); }
+template <typename T>
+inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }  // round to T and back
+
+}  // namespace
+
+// weight * (x / sqrt(mean(x^2) + eps)) over the last dimension: normalised in float32, rounded to
+// x's dtype, then scaled (as transformers' RMSNorm computes it). x: [..., C]; returns x's shape.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const int64_t C = x.size(-1);
+  auto x2 = x.reshape({-1, C});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  auto w = weight.to(x.scalar_type()).contiguous();
+  auto y = torch::empty({x2.size(0), C}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* X = x2.data_ptr<scalar_t>();
+    const scalar_t* W = w.data_ptr<scalar_t>();
+    scalar_t* Y = y.data_ptr<scalar_t>();
+    const int64_t rs = x2.stride(0);
+    at::parallel_for(0, x2.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* xr = X + r * rs;
+        float ss = 0.f;
+        _Pragma("omp simd reduction(+ : ss)")
+        for (int64_t c = 0; c < C; ++c) ss += f(xr[c]) * f(xr[c]);
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + static_cast<float>(eps));
+        for (int64_t c = 0; c < C; ++c) Y[r * C + c] = static_cast<scalar_t>(f(W[c]) * rnd<scalar_t>(f(xr[c]) * inv));
+      }
+    });
+  });
+  return y.view(x.sizes());
+}
+
+// Rotary embedding of q [1, T, H, d] and k [1, T, Hk, d] (any strides, last one 1) with cos/sin
+// [T, d]: x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype.
+// Returns q and k as contiguous [1, H, T, d] and [1, Hk, T, d] (the attention layout).
+std::vector<torch::Tensor> rope(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& cos,
+                                const torch::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.stride(3) == 1 && k.stride(3) == 1, "rope: [1, T, heads, d] views");
+  const int64_t T = q.size(1), d = q.size(3), half = d / 2;
+  auto c2 = cos.reshape({T, d}).contiguous(), s2 = sin.reshape({T, d}).contiguous();
+  auto qo = torch::empty({1, q.size(2), T, d}, q.options()), ko = torch::empty({1, k.size(2), T, d}, k.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rope", [&] {
+    const scalar_t* C = c2.data_ptr<scalar_t>();
+    const scalar_t* S = s2.data_ptr<scalar_t>();
+    auto one = [&](const torch::Tensor& x, torch::Tensor& o) {
+      const scalar_t* X = x.data_ptr<scalar_t>();
+      scalar_t* O = o.data_ptr<scalar_t>();
+      const int64_t H = x.size(2), st = x.stride(1), sh = x.stride(2);
+      at::parallel_for(0, T * H, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t t = task / H, h = task % H;
+          const scalar_t* xr = X + t * st + h * sh;
+          const scalar_t* cr = C + t * d;
+          const scalar_t* sr = S + t * d;
+          scalar_t* orow = O + (h * T + t) * d;
+          for (int64_t i = 0; i < d; ++i) {
+            const float rot = i < half ? -f(xr[i + half]) : f(xr[i - half]);
+            orow[i] = static_cast<scalar_t>(rnd<scalar_t>(f(xr[i]) * f(cr[i])) + rnd<scalar_t>(rot * f(sr[i])));
+          }
+        }
+      });
+    };
+    one(q, qo);
+    one(k, ko);
+  });
+  return {qo, ko};
+}
+
+// silu(x[..., :I]) * x[..., I:] for the fused gate/up output [..., 2I]: the activation rounded to
+// the dtype, then the product. Returns [..., I].
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  const int64_t I = x.size(-1) / 2;
+  auto x2 = x.reshape({-1, 2 * I});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = I;
+  auto y = torch::empty({x2.size(0), I}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* X = x2.data_ptr<scalar_t>();
+    scalar_t* Y = y.data_ptr<scalar_t>();
+    const int64_t rs = x2.stride(0);
+    at::parallel_for(0, x2.size(0) * I, 2048, [&](int64_t begin, int64_t end) {
+      for (int64_t idx = begin; idx < end; ++idx) {
+        const int64_t r = idx / I, c = idx % I;
+        const float g = f(X[r * rs + c]);
+        const float act = rnd<scalar_t>(g / (1.f + std::exp(-g)));
+        Y[idx] = static_cast<scalar_t>(act * f(X[r * rs + I + c]));
+      }
+    });
+  });
+  return y.view(shape);
+}

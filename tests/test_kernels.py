@@ -1,0 +1,115 @@
+"""The compiled decode kernels against the torch code they replace (hispec_decode/kernels/native.py):
+the same bits where the kernel rounds where torch does, float32 sums within a last-bit tolerance,
+and every row of the linear and attention kernels independent of the other rows of its call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hispec_decode import kernels
+from hispec_decode.kernels import native
+
+K = kernels.ops()
+pytestmark = pytest.mark.skipif(K is None, reason="the compiled kernels are not available here")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_torch(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    got, want = K.rms_norm(x, w, 1e-5), native.rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == want.shape
+    # the float32 sum of squares may round differently; after that the same ops
+    assert torch.allclose(got.float(), want.float(), rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-6)
+    strided = torch.randn(3, 5, 960, generator=g).to(dtype)[..., 64:128]  # a head's slice of a qkv output
+    assert torch.allclose(K.rms_norm(strided, w[:64], 1e-6).float(), native.rms_norm(strided, w[:64], 1e-6).float(),
+                          rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_matches_torch_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(1)
+    T, H, Hk, d = 5, 9, 3, 64
+    qkv = torch.randn(1, T, (H + 2 * Hk) * d, generator=g).to(dtype)
+    q, k = qkv[..., : H * d].view(1, T, H, d), qkv[..., H * d : (H + Hk) * d].view(1, T, Hk, d)
+    angle = torch.rand(T, d // 2, generator=g) * 6
+    cos = torch.cat([angle.cos(), angle.cos()], -1).to(dtype)[None, None]
+    sin = torch.cat([angle.sin(), angle.sin()], -1).to(dtype)[None, None]
+    (gq, gk), (wq, wk) = K.rope(q, k, cos, sin), native.rope(q, k, cos, sin)
+    assert gq.shape == (1, H, T, d) and gk.shape == (1, Hk, T, d)
+    assert torch.equal(gq, wq.contiguous()) and torch.equal(gk, wk.contiguous())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype):
+    x = (torch.randn(1, 6, 2 * 1536, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    got, want = K.silu_and_mul(x), native.silu_and_mul(x)
+    assert got.shape == want.shape == (1, 6, 1536)
+    # exp may differ from torch's in the last float32 bit, which bf16 rounding almost always hides
+    assert torch.allclose(got.float(), want.float(), rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-6)
+
+
+def _paged(dtype, kv_dtype, window=None, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    H, Hk, d, bs, blocks = 9, 3, 64, 16, 40
+    keys = torch.randn(Hk, blocks * bs, d, generator=g).to(kv_dtype)
+    values = torch.randn(Hk, blocks * bs, d, generator=g).to(kv_dtype)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:12] for _ in range(3)]).int()
+    # rows: sequence 0 decodes one token at 37, sequence 1 verifies 4 at 100..103, sequence 2 at 5
+    seq = torch.tensor([0, 1, 1, 1, 1, 2])
+    length = torch.tensor([38, 101, 102, 103, 104, 6])
+    lo = length - window if window else torch.zeros_like(length)
+    lo = lo.clamp(min=0)
+    q = torch.randn(H, len(seq), d, generator=g).to(dtype)
+    return q, keys, values, seq, length, lo, tables, bs
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                            (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_attention_matches_reference(dtype, kv_dtype, window):
+    q, keys, values, seq, length, lo, tables, bs = _paged(dtype, kv_dtype, window)
+    got = K.paged_attention(q, keys, values, seq, length, lo, tables, bs, 0.125)
+    want = native.paged_attention(q, keys, values, seq, length, lo, tables, bs, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_paged_attention_rows_are_independent_of_the_call():
+    q, keys, values, seq, length, lo, tables, bs = _paged(torch.bfloat16, torch.bfloat16)
+    together = K.paged_attention(q, keys, values, seq, length, lo, tables, bs, 0.125)
+    for r in range(q.shape[1]):
+        alone = K.paged_attention(q[:, r : r + 1].contiguous(), keys, values, seq[r : r + 1], length[r : r + 1],
+                                  lo[r : r + 1], tables, bs, 0.125)
+        assert torch.equal(alone[0], together[r])
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    from hispec_decode.layers.linear import pack_vnni
+
+    return pack_vnni(w)
+
+
+@pytest.mark.skipif(not kernels.has_linear_bf16(), reason="no AVX-512 BF16 here")
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])
+@pytest.mark.parametrize("shape", [(960, 576), (40, 30), (8, 3)])  # odd K, N not a multiple of 16
+def test_linear_bf16_matches_a_float32_product_and_is_row_independent(rows, shape):
+    g = torch.Generator().manual_seed(rows)
+    n, k = shape
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    from hispec_decode.layers.linear import vnni_linear
+
+    packed = pack(w)
+    got = vnni_linear(x, packed, bias.to(torch.bfloat16), n)
+    want = (x.float() @ w.float().t() + bias.to(torch.bfloat16).float()).to(torch.bfloat16)
+    assert got.shape == (rows, n)
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    alone = torch.cat([vnni_linear(x[i : i + 1], packed, bias.to(torch.bfloat16), n) for i in range(rows)])
+    assert torch.equal(alone, got)
+    assert torch.allclose(got.float(), F.linear(x, w, bias.to(torch.bfloat16)).float(), rtol=2e-2, atol=2e-2)
