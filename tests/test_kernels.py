@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from hispec_decode import kernels
 from hispec_decode.kernels import native
+from hispec_decode.layers.linear import pack_vnni, vnni_linear
 
 K = kernels.ops()
 pytestmark = pytest.mark.skipif(K is None, reason="the compiled kernels are not available here")
@@ -88,28 +89,23 @@ def test_paged_attention_rows_are_independent_of_the_call():
         assert torch.equal(alone[0], together[r])
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    from hispec_decode.layers.linear import pack_vnni
-
-    return pack_vnni(w)
-
-
 @pytest.mark.skipif(not kernels.has_linear_bf16(), reason="no AVX-512 BF16 here")
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])
-@pytest.mark.parametrize("shape", [(960, 576), (40, 30), (8, 3)])  # odd K, N not a multiple of 16
-def test_linear_bf16_matches_a_float32_product_and_is_row_independent(rows, shape):
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 21])
+@pytest.mark.parametrize("shape", [(960, 576), (40, 30), (8, 3)])  # K not a multiple of 32, N not of 16
+def test_linear_bf16_matches_a_float32_product_and_is_row_independent(amx, rows, shape):
+    if amx and not kernels.has_amx():
+        pytest.skip("no AMX tiles here")
     g = torch.Generator().manual_seed(rows)
     n, k = shape
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    bias = torch.randn(n, generator=g)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-    from hispec_decode.layers.linear import vnni_linear
-
-    packed = pack(w)
-    got = vnni_linear(x, packed, bias.to(torch.bfloat16), n)
-    want = (x.float() @ w.float().t() + bias.to(torch.bfloat16).float()).to(torch.bfloat16)
+    packed = pack_vnni(w)
+    got = vnni_linear(x, packed, bias, n, amx=amx)
+    want = (x.float() @ w.float().t() + bias.float()).to(torch.bfloat16)
     assert got.shape == (rows, n)
     assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
-    alone = torch.cat([vnni_linear(x[i : i + 1], packed, bias.to(torch.bfloat16), n) for i in range(rows)])
-    assert torch.equal(alone, got)
-    assert torch.allclose(got.float(), F.linear(x, w, bias.to(torch.bfloat16)).float(), rtol=2e-2, atol=2e-2)
+    alone = torch.cat([vnni_linear(x[i : i + 1], packed, bias, n, amx=amx) for i in range(rows)])
+    assert torch.equal(alone, got)  # a row's bits never depend on the other rows of the call
+    assert torch.allclose(got.float(), F.linear(x, w, bias).float(), rtol=2e-2, atol=2e-2)

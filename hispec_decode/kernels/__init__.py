@@ -2,7 +2,7 @@
 
 Five C++/OpenMP kernels (``csrc/``) replace chains of small torch ops or slow kernels on a
 decoding step: a bf16 linear on a VNNI-packed weight (AVX-512 BF16; at 1-4 rows it streams the
-weight near memory bandwidth where oneDNN reaches about half of it), attention of every query row
+weight near memory bandwidth where oneDNN reaches about half of it; AMX tiles for more rows), attention of every query row
 of a pass over its own paged K/V in one call, RMSNorm, rotary embedding and ``silu(gate) * up``.
 Each rounds where the torch ops do (:mod:`.native` holds those ops; the tests compare both), and
 the linear and attention kernels compute every row independently of the other rows of the call.
@@ -89,6 +89,12 @@ def has_linear_bf16() -> bool:
     return k is not None and k.linear_bf16_available()
 
 
+def has_amx() -> bool:
+    """AMX tiles for the bf16 linear (built for them, and granted by the OS to this process)."""
+    k = ops()
+    return k is not None and k.linear_bf16_available() and k.amx_available()
+
+
 def main() -> None:
     """``python -m hispec_decode.kernels``: build the kernels now (the README's set-up runs it)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -97,7 +103,7 @@ def main() -> None:
         print("[kernels] not built: the torch fallbacks will be used")
     else:
         print(f"[kernels] ready in {build_directory()} (AVX-512 BF16 linear: "
-              f"{'yes' if k.linear_bf16_available() else 'no, oneDNN is used'})")
+              f"{'yes' if k.linear_bf16_available() else 'no, oneDNN is used'}; AMX: {'yes' if has_amx() else 'no'})")
 
 
 def _use(*xs: torch.Tensor) -> ModuleType | None:

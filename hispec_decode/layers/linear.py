@@ -5,14 +5,17 @@ the engine keeps packed copies of the linear weights (``pack_weights=False`` tur
 
 - oneDNN's blocked layout (``_reorder_linear_weight``), about twice as fast as ``F.linear``;
   it uses AMX from about 8 rows on;
-- in bf16 where the compiled kernels are built, a VNNI layout for this project's AVX-512 BF16
-  kernel (:mod:`hispec_decode.kernels`), which streams the weight near memory bandwidth: on a
-  chain of SmolLM2's 120 per-layer weights it ran 1.4-2.0x oneDNN at 1-2 rows, 1.1-1.4x at 4,
-  0.7-1.0x at 8 and 0.5x at 16, so calls of up to :data:`VNNI_MAX_ROWS` rows use it. It computes
-  every row in an order that ignores the other rows, so the batch-invariant mode runs every call
-  on it, whatever its row count, instead of cutting calls into fixed-size chunks.
+- in bf16 where the compiled kernels are built, a VNNI layout for this project's kernels
+  (:mod:`hispec_decode.kernels`): AMX tiles where the CPU has them, for every call (on a chain of
+  SmolLM2's 120 per-layer weights 6.0 ms at 1 row and 6.7 ms at 16, where oneDNN's packed kernel
+  took 10-18 ms: the weights stream at about the memory bandwidth at any row count); else an
+  AVX-512 BF16 loop for calls of up to :data:`VNNI_MAX_ROWS` rows (1.4-2x oneDNN there, but
+  compute-bound from 8 rows on) and oneDNN above. Both kernels compute every row in an order that
+  ignores the other rows, so with AMX every linear is batch-invariant as it stands, and the
+  batch-invariant mode runs every call on one of them instead of cutting calls into fixed-size
+  chunks.
 
-The price is memory: up to two packed copies beside the model's own weights. Elsewhere (CUDA,
+The price is memory: one packed copy beside the model's own weights (two on a CPU without AMX). Elsewhere (CUDA,
 float16), linears sharing an input are fused by re-pointing the module parameters at slices of
 one concatenated tensor, so nothing is stored twice.
 """
@@ -31,19 +34,23 @@ VNNI_MAX_ROWS = 4  # calls of at most this many rows use the VNNI kernel (measur
 
 
 def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N/16), ceil(K/2), 16, 2]: per 16 output columns and input pair one vector."""
+    """[N, K] -> [ceil(N/16), Kp/2, 16, 2] (K zero-padded to Kp, a multiple of 32, as AMX tiles
+    need): per 16 output columns and input pair one 64-byte vector."""
     n, k = weight.shape
-    w = F.pad(weight, (0, k % 2, 0, (-n) % 16))
+    w = F.pad(weight, (0, (-k) % 32, 0, (-n) % 16))
     return w.view(w.shape[0] // 16, 16, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """``x @ W.T + bias`` on a :func:`pack_vnni` weight with ``n`` outputs (bf16, CPU)."""
+def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+                amx: bool = False) -> torch.Tensor:
+    """``x @ W.T + bias`` on a :func:`pack_vnni` weight with ``n`` outputs (bf16, CPU), on the
+    AVX-512 loop or (``amx``) on AMX tiles."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[1] % 2:
-        flat = F.pad(flat, (0, 1))
-    y = kernels.ops().linear_bf16(flat.contiguous(), packed, bias.float() if bias is not None else _NO_BIAS)
+    if flat.shape[1] != 2 * packed.shape[1]:
+        flat = F.pad(flat, (0, 2 * packed.shape[1] - flat.shape[1]))
+    kernel = kernels.ops().linear_amx if amx else kernels.ops().linear_bf16
+    y = kernel(flat.contiguous(), packed, bias.float() if bias is not None else _NO_BIAS)
     return (y if y.shape[1] == n else y[:, :n]).reshape(*lead, n)
 
 
@@ -92,10 +99,12 @@ class FusedLinear:
         self.packed = pack and can_pack(weights[0])
         self.vnni: torch.Tensor | None = None  # the VNNI copy (bf16 with the compiled kernel)
         self.out_features = sum(self.sizes)
+        self.amx = False  # every call on AMX tiles over the VNNI copy
         if self.packed and weights[0].dtype == torch.bfloat16 and kernels.has_linear_bf16():
             self.vnni = pack_vnni(torch.cat(weights) if len(weights) > 1 else weights[0])
             self.vnni_bias = torch.cat(biases).float() if has_bias else None
-        if self.packed and self.vnni is not None and rows is not None:  # every call on the VNNI kernel
+            self.amx = kernels.has_amx()
+        if self.packed and self.vnni is not None and (rows is not None or self.amx):  # no oneDNN copy needed
             self.weight, self.bias = None, None
         elif self.packed:
             weight = torch.cat(weights) if len(weights) > 1 else weights[0]
@@ -114,8 +123,11 @@ class FusedLinear:
                 offset += n
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vnni is not None and (self.rows is not None or x[..., 0].numel() <= VNNI_MAX_ROWS):
-            return vnni_linear(x, self.vnni, self.vnni_bias, self.out_features)
+        if self.vnni is not None:
+            if self.amx:
+                return vnni_linear(x, self.vnni, self.vnni_bias, self.out_features, amx=True)
+            if self.rows is not None or x[..., 0].numel() <= VNNI_MAX_ROWS:  # batch-invariant: every call
+                return vnni_linear(x, self.vnni, self.vnni_bias, self.out_features)
         if self.rows is not None:
             return in_row_chunks(self._apply, x, rows=self.rows)
         return self._apply(x)

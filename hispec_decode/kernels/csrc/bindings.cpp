@@ -3,6 +3,8 @@
 
 bool linear_bf16_available();
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias);
+bool amx_available();
+torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                               const torch::Tensor& seq, const torch::Tensor& len, const torch::Tensor& lo,
                               const torch::Tensor& tables, int64_t block_size, double scale);
@@ -14,6 +16,8 @@ torch::Tensor silu_and_mul(const torch::Tensor& x);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_available", &linear_bf16_available);
   m.def("linear_bf16", &linear_bf16, "bf16 linear on a VNNI-packed weight (row-independent reduction order)");
+  m.def("amx_available", &amx_available);
+  m.def("linear_amx", &linear_amx, "bf16 linear on AMX tiles over the same VNNI weight (row-independent order)");
   m.def("paged_attention", &paged_attention, "query rows over their own paged K/V (row-independent)");
   m.def("rms_norm", &rms_norm, "RMSNorm as transformers computes it");
   m.def("rope", &rope, "rotary embedding of q and k, returned in the attention layout");

@@ -7,15 +7,30 @@
 // of a decoding step: at one row this is a memory-bound scan, at 16 rows each vector loaded is
 // used for every row.
 //
-// Reduction order: output (m, n) accumulates its k pairs in increasing order into its own lane,
-// whatever M is, whichever other rows share the call and however the work is split between
-// threads (threads split columns, never k). A row's result is therefore the same bits alone or
-// in any batch: the batch-invariant mode gets its linears for free.
+// The same layout feeds AMX (linear_amx below): a B tile is 16 consecutive 64-byte vectors of a
+// column block (32 inputs x 16 columns), an A tile 16 rows x 32 inputs of x. One tile product does
+// 16 x 16 x 32 multiply-adds, so every call up to 16 rows costs what reading the weight costs
+// (measured on a chain of SmolLM2's 120 per-layer weights: 6.0 ms at 1 row, 6.7 at 16, against
+// 7.6 and 25 for the AVX-512 loop, which is compute-bound from 8 rows on). Where the CPU has AMX
+// it serves every call; the AVX-512 loop serves CPUs with AVX-512 BF16 and no AMX.
+//
+// Reduction order: in both kernels output (m, n) accumulates over k in increasing order (pairs in
+// one lane; 32-input tile steps) into its own accumulator, whatever M is, whichever other rows
+// share the call and however the work is split between threads (threads split columns, never k).
+// A row's result is therefore the same bits alone or in any batch, per kernel.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HISPEC_AMX 1
+#endif
+
+#if defined(__AVX512BF16__)
 
 namespace {
 
@@ -94,6 +109,93 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& wp, const
 bool linear_bf16_available() { return false; }
 torch::Tensor linear_bf16(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
   TORCH_CHECK(false, "linear_bf16: built without AVX-512 BF16");
+}
+
+#endif
+
+#if defined(HISPEC_AMX) && defined(__AVX512BF16__)
+
+namespace {
+
+struct TileConfig {  // palette 1: tiles 0-3 accumulators, 4 the A tile (x), 5-7 B tiles (weights)
+  uint8_t palette = 1, start_row = 0, reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+inline void configure(int rows) {
+  TileConfig c;
+  for (int t = 0; t < 5; ++t) { c.rows[t] = rows; c.colsb[t] = 64; }
+  for (int t = 5; t < 8; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
+  _tile_loadconfig(&c);
+}
+
+}  // namespace
+
+bool amx_available() {  // Linux hands out the tile state only on request, once per process
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// x: [M, K] bf16 contiguous with K a multiple of 32; wp: the VNNI weight. Returns [M, Np] bf16.
+torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias) {
+  TORCH_CHECK(amx_available(), "linear_amx: this CPU or kernel grants no AMX tiles");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16, "linear_amx: bf16 tensors");
+  TORCH_CHECK(x.is_contiguous() && wp.is_contiguous() && x.dim() == 2 && wp.dim() == 4, "linear_amx: layout");
+  const int64_t M = x.size(0), K = x.size(1), blocks = wp.size(0), K2 = wp.size(1), Np = blocks * kCols;
+  TORCH_CHECK(K == 2 * K2 && K % 32 == 0, "linear_amx: x has ", K, " features, the weight ", 2 * K2,
+              " (a multiple of 32 is needed)");
+  auto y = torch::empty({M, Np}, x.options());
+  const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* W = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const int64_t block = K2 * 2 * kCols;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[4][16 * 16];
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      const int mr = static_cast<int>(std::min<int64_t>(16, M - m0));
+      configure(mr);
+      for (int64_t b = begin; b < end; b += 4) {
+        const int nb = static_cast<int>(std::min<int64_t>(4, end - b));
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k0 = 0; k0 < K; k0 += 32) {
+          _tile_loadd(4, X + m0 * K + k0, K * 2);
+          const uint16_t* wb = W + b * block + k0 * kCols;  // 16 k-pairs x 16 columns, 64 bytes apart
+          if (k0 + 64 < K)  // the B tiles two steps ahead: without it a tile load waits on DRAM (1.6x slower)
+            for (int j = 0; j < nb; ++j) {
+              const char* ahead = reinterpret_cast<const char*>(wb + j * block + 64 * kCols);
+              for (int line = 0; line < 1024; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+            }
+          _tile_loadd(5, wb, 64); _tile_dpbf16ps(0, 4, 5);
+          if (nb > 1) { _tile_loadd(6, wb + block, 64); _tile_dpbf16ps(1, 4, 6); }
+          if (nb > 2) { _tile_loadd(7, wb + 2 * block, 64); _tile_dpbf16ps(2, 4, 7); }
+          if (nb > 3) { _tile_loadd(5, wb + 3 * block, 64); _tile_dpbf16ps(3, 4, 5); }
+        }
+        _tile_stored(0, c[0], 64);
+        if (nb > 1) _tile_stored(1, c[1], 64);
+        if (nb > 2) _tile_stored(2, c[2], 64);
+        if (nb > 3) _tile_stored(3, c[3], 64);
+        for (int j = 0; j < nb; ++j) {
+          const int64_t n0 = (b + j) * kCols;
+          const __m512 bv = B ? _mm512_loadu_ps(B + n0) : _mm512_setzero_ps();
+          for (int i = 0; i < mr; ++i) {
+            const __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c[j] + i * 16), bv));
+            _mm256_storeu_si256((__m256i*)(Y + (m0 + i) * Np + n0), (__m256i)o);
+          }
+        }
+      }
+      _tile_release();
+    }
+  });
+  return y;
+}
+
+#else
+
+bool amx_available() { return false; }
+torch::Tensor linear_amx(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+  TORCH_CHECK(false, "linear_amx: built without AMX");
 }
 
 #endif
