@@ -50,26 +50,30 @@ class HiSpecModel:
         dtype: str | torch.dtype = "float32",
         revision: str | None = None,
         pack_weights: bool = True,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
     ) -> HiSpecModel:
         """Load a base (``None``: the embedded SmolLM2-135M-Instruct) and optional heads
         (a local adapter directory or a Hub repo id; ``revision`` applies to the heads).
         With ``base=None`` and ``heads=None`` the trained default heads shipped with HiSpec are
         used; ``heads="none"`` forces the untrained exits (the base's norm + LM head).
 
-        ``pack_weights``: on CPU, keep oneDNN-packed copies of the linear weights (about 2x
-        faster decoding for a second copy of those weights in memory).
+        ``pack_weights``: on CPU, keep packed copies of the linear weights for the fast kernels
+        (about 2x faster decoding for a second copy of those weights in memory).
 
         ``batch_invariant``: every row's numbers are independent of the other rows of its pass and
-        of their count (linears on fixed row chunks, attention row by row), so in bf16/fp16 too
-        ``self_spec`` and ``hispec`` give the engine's own ``autoregressive`` output token for token,
-        and batched rows equal the same prompts decoded alone (docs/batch-invariance.md)."""
+        of their count (linears on row-independent kernels or fixed row chunks, attention row by
+        row), so in bf16/fp16 too ``self_spec`` and ``hispec`` give the engine's own
+        ``autoregressive`` output token for token, and batched rows equal the same prompts decoded
+        alone (docs/batch-invariance.md). ``None`` (the default): on where it costs nothing
+        measurable, bf16 on a CPU with the compiled AMX kernels; off elsewhere."""
         if heads is None and base is None and DEFAULT_HEADS_DIR.is_dir():
             heads = DEFAULT_HEADS_DIR
         if heads is not None and str(heads).lower() == NO_HEADS:
             heads = None
         loaded = load_base(base, dtype)
         decoder = decoder_for(loaded.model, pack_weights)
+        if batch_invariant is None:
+            batch_invariant = decoder.invariance_is_free()
         if batch_invariant:
             decoder.set_batch_invariant()
         adapter = HiSpecAdapter.from_pretrained(heads, revision=revision, decoder=decoder) if heads is not None else None

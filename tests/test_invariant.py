@@ -147,3 +147,15 @@ def test_smollm2_bf16_default_heads_equal_autoregressive():
     for method in ("self_spec", "hispec"):
         for b in (1, 3):
             assert model.generate(prompts[:b], max_new_tokens=48, method=method).sequences == alone[:b], (method, b)
+
+
+def test_bf16_default_is_batch_invariant_where_it_is_free(tiny_models):
+    """bf16 on a CPU with the compiled AMX kernels is batch-invariant by default (the mode costs
+    nothing there); fp32 and an explicit ``batch_invariant=False`` are not."""
+    model = tiny_models["llama"].load(dtype="bfloat16")
+    assert model.decoder.batch_invariant == model.decoder.invariance_is_free()
+    assert not tiny_models["llama"].load().decoder.batch_invariant
+    assert not tiny_models["llama"].load(dtype="bfloat16", batch_invariant=False).decoder.batch_invariant
+    if not model.decoder.invariance_is_free():
+        pytest.skip("no AMX kernels here: the bf16 default stays off")
+    _bf16_equal_to_autoregressive(model, SPECULATIVE[2:], batch_sizes=(1, 3))

@@ -109,3 +109,17 @@ def test_linear_bf16_matches_a_float32_product_and_is_row_independent(amx, rows,
     alone = torch.cat([vnni_linear(x[i : i + 1], packed, bias, n, amx=amx) for i in range(rows)])
     assert torch.equal(alone, got)  # a row's bits never depend on the other rows of the call
     assert torch.allclose(got.float(), F.linear(x, w, bias).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_matches_torch_with_ties_and_nan(dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 49152, generator=g).to(dtype)
+    x[1, 100] = x[1, 7] = x[1].max() + 1  # a tie: the first index wins
+    x[2, 300] = float("nan")  # NaN counts as the largest, as in torch
+    x[3] = 0.0
+    x[4, -1] = float("inf")
+    got = K.argmax_rows(x)
+    assert got.tolist() == x.argmax(-1).tolist()
+    assert got[1] == 7 and got[2] == 300 and got[3] == 0 and got[4] == 49151
+    assert K.argmax_rows(x[0]).item() == x[0].argmax().item()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..errors import HiSpecError
 from ..sampling_params import SamplingParams
 
@@ -136,7 +137,7 @@ class TokenSampler:
     def choose(self, logits: torch.Tensor, position: int | None = None) -> tuple[int, torch.Tensor | None]:
         """One token from logits [1, vocab]; also its distribution when sampling (a proposal's ``q``)."""
         if self.greedy:
-            return int(logits[-1].argmax()), None
+            return int(kernels.argmax(logits[-1])), None
         probs = self.probs(logits[-1:])[0]
         if self.gumbel:
             return self._gumbel_argmax(probs, position), probs
@@ -153,7 +154,7 @@ class TokenSampler:
             row = logits[-1]
             if float(row.float().softmax(-1).max()) < threshold:
                 return None
-            return int(row.argmax()), None
+            return int(kernels.argmax(row)), None
         probs = self.probs(logits[-1:])[0]
         if float(probs.max()) < threshold:
             return None
@@ -178,7 +179,7 @@ class TokenSampler:
         """
         n = len(candidates)
         if self.greedy:
-            return greedy_verdict(candidates, target_logits.argmax(-1).tolist())
+            return greedy_verdict(candidates, kernels.argmax(target_logits).tolist())
         p = self.probs(target_logits)
         if self.gumbel:  # the target's own Gumbel choice at each position, up to the first disagreement
             j = 0

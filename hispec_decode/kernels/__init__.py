@@ -1,9 +1,9 @@
 """Compiled CPU kernels for the decode path, with the torch code they replace as the fallback.
 
-Five C++/OpenMP kernels (``csrc/``) replace chains of small torch ops or slow kernels on a
+C++/OpenMP kernels (``csrc/``) replace chains of small torch ops or slow kernels on a
 decoding step: a bf16 linear on a VNNI-packed weight (AVX-512 BF16; at 1-4 rows it streams the
 weight near memory bandwidth where oneDNN reaches about half of it; AMX tiles for more rows), attention of every query row
-of a pass over its own paged K/V in one call, RMSNorm, rotary embedding and ``silu(gate) * up``.
+of a pass over its own paged K/V in one call, RMSNorm, rotary embedding, ``silu(gate) * up`` and the greedy argmax of every logits row.
 Each rounds where the torch ops do (:mod:`.native` holds those ops; the tests compare both), and
 the linear and attention kernels compute every row independently of the other rows of the call.
 
@@ -133,3 +133,9 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     k = _use(x)
     return k.silu_and_mul(x) if k is not None else native.silu_and_mul(x)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``: the first index of each row's largest value."""
+    k = _use(x)
+    return k.argmax_rows(x) if k is not None else x.argmax(-1)

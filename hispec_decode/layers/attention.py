@@ -256,9 +256,9 @@ def attend_invariant(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """:func:`attend` for the batch-invariant mode: each query row on its own, over exactly the
-    keys it sees, in float32 (the batch-invariant cache holds float32 K/V, exact copies of the
-    model dtype's). Every call for a token at position ``t`` then has the same shapes and inputs
-    (its ``q``, the K/V of positions ``<= t``) whether the token is decoded alone, in a
+    keys it sees, in float32 (without the compiled kernels the batch-invariant cache holds float32
+    K/V, exact copies of the model dtype's). Every call for a token at position ``t`` then has the
+    same shapes and inputs (its ``q``, the K/V of positions ``<= t``) whether the token is decoded alone, in a
     verification pass beside other tentative tokens, in a prefill, or beside other sequences, so it
     computes the same bits: no padding, grouping or kernel choice depends on the rest of the pass.
     With the compiled kernels, every row of the call goes through the paged kernel, which computes
@@ -271,6 +271,7 @@ def attend_invariant(
     out = torch.empty_like(q)
     for seg in meta.segments:
         keys, values = cache.read(layer, seg.read)  # [1, n_kv, start + num_new, d]
+        keys, values = keys.float(), values.float()  # a no-op on the fallback's float32 pool
         n_kv = keys.shape[1]
         qf = q[0, :, seg.offset : seg.offset + seg.num_new].float()  # [n_heads, num_new, d]
         for j in range(seg.num_new):

@@ -24,20 +24,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default=None, help="Hub id, local directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--heads", default=None, help="adapter directory or Hub repo id with trained exit heads")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    p.add_argument("--batch-invariant", action="store_true",
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="each row's numbers independent of the rest of its pass: in bf16/fp16 speculation then equals "
-                        "this engine's autoregressive output token for token (docs/batch-invariance.md)")
+                        "this engine's autoregressive output token for token (default: on for bf16 where the compiled "
+                        "AMX kernels make it free; docs/batch-invariance.md)")
 
 
 class ModelVariants:
     """The model a benchmark method spec runs on, loaded once each: ``METHOD:invariant`` on a
-    batch-invariant copy, every other spec on the plain one (``load(batch_invariant)``)."""
+    batch-invariant copy, every other spec on the one ``--batch-invariant`` asks for (``None``: the
+    default, see ``HiSpecModel.from_pretrained``)."""
 
-    def __init__(self, load: typing.Callable[[bool], Any], batch_invariant: bool = False) -> None:
+    def __init__(self, load: typing.Callable[[bool | None], Any], batch_invariant: bool | None = None) -> None:
         self.load, self.always, self.models = load, batch_invariant, {}
 
     def __call__(self, spec: str) -> Any:
-        invariant = self.always or spec.partition(":")[2] == "invariant"
+        invariant = True if spec.partition(":")[2] == "invariant" else self.always
         if invariant not in self.models:
             self.models[invariant] = self.load(invariant)
         return self.models[invariant]

@@ -222,7 +222,8 @@ def launch(args: argparse.Namespace, method: str) -> tuple[subprocess.Popen, str
            "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
     cmd += ["--base", args.base] if args.base else []
     cmd += ["--heads", args.heads] if args.heads else []
-    cmd += ["--batch-invariant"] if args.batch_invariant else []
+    if args.batch_invariant is not None:
+        cmd += ["--batch-invariant" if args.batch_invariant else "--no-batch-invariant"]
     cmd += ["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []
     log = tempfile.TemporaryFile()  # not a pipe: nobody reads it while the server runs
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)

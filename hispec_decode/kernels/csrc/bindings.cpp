@@ -12,6 +12,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 std::vector<torch::Tensor> rope(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& cos,
                                 const torch::Tensor& sin);
 torch::Tensor silu_and_mul(const torch::Tensor& x);
+torch::Tensor argmax_rows(const torch::Tensor& x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_available", &linear_bf16_available);
@@ -22,4 +23,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm as transformers computes it");
   m.def("rope", &rope, "rotary embedding of q and k, returned in the attention layout");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up output");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (NaN largest)");
 }

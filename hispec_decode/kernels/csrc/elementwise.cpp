@@ -101,3 +101,35 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
   });
   return y.view(shape);
 }
+
+// Index of the largest value of each row of x [..., V] (the first one on ties; a NaN counts as the
+// largest, as torch.argmax has it). Returns int64 [...]. One call for every row of a pass, where
+// torch's bf16 argmax takes ~250 us per 49k-token row here.
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  const int64_t V = x.size(-1);
+  auto x2 = x.reshape({-1, V}).contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  auto out = torch::empty({x2.size(0)}, x.options().dtype(at::kLong));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* X = x2.data_ptr<scalar_t>();
+    int64_t* O = out.data_ptr<int64_t>();
+    at::parallel_for(0, x2.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = X + r * V;
+        int64_t best = 0;
+        float top = f(row[0]);
+        if (!std::isnan(top))
+          for (int64_t i = 1; i < V; ++i) {
+            const float v = f(row[i]);
+            if (v > top || std::isnan(v)) {
+              best = i;
+              top = v;
+              if (std::isnan(v)) break;
+            }
+          }
+        O[r] = best;
+      }
+    });
+  });
+  return out.view(shape);
+}
