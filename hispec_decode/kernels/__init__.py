@@ -66,11 +66,43 @@ def _load() -> ModuleType | None:
 
 
 _off = 0  # depth of disabled() blocks
+_traced: "_Traced | None" = None  # set inside traced()
+
+
+class _Traced:
+    """The kernels with each call named in a ``torch.profiler`` trace (``hispec::<kernel>``): the
+    profiler sees only torch operators, and these calls are not (see :func:`traced`)."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._module, name)
+
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(f"hispec::{name}"):
+                return fn(*args, **kwargs)
+
+        return call
 
 
 def ops() -> ModuleType | None:
     """The compiled kernels, or None where they are off or could not be built."""
-    return None if _off else _load()
+    if _off:
+        return None
+    return _traced if _traced is not None else _load()
+
+
+@contextmanager
+def traced() -> Iterator[None]:
+    """Name every kernel call in profiler traces inside this block (``hispec-bench --profile``)."""
+    global _traced
+    module = _load()
+    previous, _traced = _traced, (_Traced(module) if module is not None else None)
+    try:
+        yield
+    finally:
+        _traced = previous
 
 
 @contextmanager

@@ -2,8 +2,9 @@
 linears and everything else.
 
 The split is by operator, over each operator's own (self) CPU time in a ``torch.profiler`` trace:
-linears are the GEMM operators (oneDNN's packed ``_linear_pointwise``, ``addmm``, ``mm``);
-attention is the flash kernel, the batched matrix products (``bmm``: only attention multiplies
+linears are the GEMM operators (this project's compiled ``hispec::linear_amx`` and
+``hispec::linear_bf16``, oneDNN's packed ``_linear_pointwise``, ``addmm``, ``mm``); attention is
+the compiled ``hispec::paged_attention``, the flash kernel, the batched matrix products (``bmm``: only attention multiplies
 3-d tensors here), the softmax, the masking and the paged cache's gathers and scatters; "other
 ops" is every remaining operator (norms, rotary, casts, slices, concatenations, sampling); the
 rest of the wall time ("python") is spent outside any operator. The sampler's softmax and the
@@ -15,8 +16,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm"}
-ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax",
+from .. import kernels
+
+LINEAR_OPS = {"hispec::linear_amx", "hispec::linear_bf16", "mkldnn::_linear_pointwise", "aten::addmm", "aten::mm"}
+ATTENTION_OPS = {"hispec::paged_attention", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax",
                  "aten::masked_fill_", "aten::index_select", "aten::index_put_", "aten::_index_put_impl_"}
 
 
@@ -25,7 +28,7 @@ def profile_split(run: Callable[[], Any]) -> dict[str, Any]:
     ten operators with the most self time."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with kernels.traced(), profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         run()
         wall = time.perf_counter() - t0

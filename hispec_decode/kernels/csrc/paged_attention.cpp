@@ -8,13 +8,53 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 inline float to_f(float x) { return x; }
 inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
 inline float to_f(at::Half x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted up
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+template <typename KV>
+constexpr bool kVector = std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16>;
+
+// One key against every query head of the group (scores), or one value into the group's
+// accumulators: d in vectors of 16 (d % 16 == 0, d <= 256), the key/value converted once.
+template <typename KV>
+inline void scores_avx512(const float* qf, const KV* k, int64_t group, int64_t d, float scale, float* out,
+                          int64_t stride) {
+  __m512 kv[16];
+  for (int64_t c = 0; c < d / 16; ++c) kv[c] = load16(k + 16 * c);
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d / 16; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * d + 16 * c), kv[c], acc);
+    out[g * stride] = _mm512_reduce_add_ps(acc) * scale;
+  }
+}
+template <typename KV>
+inline void accumulate_avx512(const float* w, int64_t stride, const KV* v, int64_t group, int64_t d, float* acc) {
+  __m512 vv[16];
+  for (int64_t c = 0; c < d / 16; ++c) vv[c] = load16(v + 16 * c);
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512 wg = _mm512_set1_ps(w[g * stride]);
+    for (int64_t c = 0; c < d / 16; ++c) {
+      float* a = acc + g * d + 16 * c;
+      _mm512_storeu_ps(a, _mm512_fmadd_ps(wg, vv[c], _mm512_loadu_ps(a)));
+    }
+  }
+}
+#endif
 
 template <typename Q, typename KV>
 void attend_rows(const Q* q, const KV* keys, const KV* values, const int64_t* seq, const int64_t* len, const int64_t* lo,
@@ -32,9 +72,20 @@ void attend_rows(const Q* q, const KV* keys, const KV* values, const int64_t* se
       scores.resize(group * n);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_f(q[((h * group + g) * rows + r) * d + i]);
+#if defined(__AVX512F__)
+      const bool vector = kVector<KV> && d % 16 == 0 && d <= 256;
+#endif
       for (int64_t j = 0; j < n; ++j) {
         const int64_t p = first + j;
         const KV* k = K + (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * d;
+#if defined(__AVX512F__)
+        if constexpr (kVector<KV>) {
+          if (vector) {
+            scores_avx512(qf.data(), k, group, d, scale, scores.data() + j, n);
+            continue;
+          }
+        }
+#endif
         for (int64_t g = 0; g < group; ++g) {
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -58,6 +109,14 @@ void attend_rows(const Q* q, const KV* keys, const KV* values, const int64_t* se
       for (int64_t j = 0; j < n; ++j) {
         const int64_t p = first + j;
         const KV* v = V + (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * d;
+#if defined(__AVX512F__)
+        if constexpr (kVector<KV>) {
+          if (vector) {
+            accumulate_avx512(scores.data() + j, n, v, group, d, acc.data());
+            continue;
+          }
+        }
+#endif
         for (int64_t g = 0; g < group; ++g) {
           const float w = scores[g * n + j];
           float* a = acc.data() + g * d;
