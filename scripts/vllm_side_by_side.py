@@ -42,7 +42,8 @@ def run(model_dir: str, prompts_file: str, batch_sizes: list[int], max_new_token
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = json.load(open(prompts_file))
+    with open(prompts_file) as f:
+        prompts = json.load(f)
     llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=2048)
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)  # warm-up

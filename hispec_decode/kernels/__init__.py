@@ -1,9 +1,10 @@
 """Compiled CPU kernels for the decode path, with the torch code they replace as the fallback.
 
 C++/OpenMP kernels (``csrc/``) replace chains of small torch ops or slow kernels on a
-decoding step: a bf16 linear on a VNNI-packed weight (AVX-512 BF16; at 1-4 rows it streams the
-weight near memory bandwidth where oneDNN reaches about half of it; AMX tiles for more rows), attention of every query row
-of a pass over its own paged K/V in one call, RMSNorm, rotary embedding, ``silu(gate) * up`` and the greedy argmax of every logits row.
+decoding step: a bf16 linear on a VNNI-packed weight (on AMX tiles for every row count, which
+streams the weight at about memory bandwidth; an AVX-512 BF16 loop on CPUs without AMX), attention
+of every query row of a pass over its own paged K/V in one call, RMSNorm, rotary embedding,
+``silu(gate) * up`` and the greedy argmax of every logits row.
 Each rounds where the torch ops do (:mod:`.native` holds those ops; the tests compare both), and
 the linear and attention kernels compute every row independently of the other rows of the call.
 
@@ -48,7 +49,8 @@ def _load() -> ModuleType | None:
     if not enabled():
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        logger.warning("hispec kernels: built for x86-64 only; this %s CPU uses the torch fallbacks", platform.machine())
+        logger.warning("hispec kernels: built for x86-64 only; this %s CPU uses the torch fallbacks",
+                       platform.machine())
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -60,8 +62,10 @@ def _load() -> ModuleType | None:
         return load("hispec_kernels", [str(csrc / s) for s in SOURCES], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths still work
+        lines = str(exc).splitlines() or [""]
+        reason = next((line for line in lines if "error" in line.lower() and ":" in line), lines[0])
         logger.warning("hispec kernels: not available (%s: %s); using the torch fallbacks",
-                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                       type(exc).__name__, reason.strip()[:300])
         return None
 
 
@@ -134,8 +138,8 @@ def main() -> None:
     if k is None:
         print("[kernels] not built: the torch fallbacks will be used")
     else:
-        print(f"[kernels] ready in {build_directory()} (AVX-512 BF16 linear: "
-              f"{'yes' if k.linear_bf16_available() else 'no, oneDNN is used'}; AMX: {'yes' if has_amx() else 'no'})")
+        avx = "yes" if k.linear_bf16_available() else "no, oneDNN is used"
+        print(f"[kernels] ready in {build_directory()} (AVX-512 BF16 linear: {avx}; AMX: {'yes' if has_amx() else 'no'})")
 
 
 def _use(*xs: torch.Tensor) -> ModuleType | None:

@@ -65,7 +65,7 @@ class AttentionMeta:
     _rows: PagedRows | None = field(default=None, repr=False)
 
     def paged_rows(self, cache: PagedKVCache) -> PagedRows:
-        """Every new row's sequence, visible keys and block table, for the paged kernel (built once per call)."""
+        """Every new row's sequence, visible keys and block table for the paged kernel (once per call)."""
         if self._rows is None:
             self._rows = PagedRows.build(self.segments, cache)
         return self._rows
@@ -258,8 +258,8 @@ def attend_invariant(
     """:func:`attend` for the batch-invariant mode: each query row on its own, over exactly the
     keys it sees, in float32 (without the compiled kernels the batch-invariant cache holds float32
     K/V, exact copies of the model dtype's). Every call for a token at position ``t`` then has the
-    same shapes and inputs (its ``q``, the K/V of positions ``<= t``) whether the token is decoded alone, in a
-    verification pass beside other tentative tokens, in a prefill, or beside other sequences, so it
+    same shapes and inputs (its ``q``, the K/V of positions ``<= t``) whether the token is decoded
+    alone, in a verification pass beside other tentative tokens, in a prefill, or beside other sequences, so it
     computes the same bits: no padding, grouping or kernel choice depends on the rest of the pass.
     With the compiled kernels, every row of the call goes through the paged kernel, which computes
     each row alone by construction."""

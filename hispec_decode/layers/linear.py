@@ -4,7 +4,6 @@ At batch 1 a decoder is a chain of matrix-vector products, bound by reading the 
 the engine keeps packed copies of the linear weights (``pack_weights=False`` turns it off):
 
 - oneDNN's blocked layout (``_reorder_linear_weight``), about twice as fast as ``F.linear``;
-  it uses AMX from about 8 rows on;
 - in bf16 where the compiled kernels are built, a VNNI layout for this project's kernels
   (:mod:`hispec_decode.kernels`): AMX tiles where the CPU has them, for every call (on a chain of
   SmolLM2's 120 per-layer weights 6.0 ms at 1 row and 6.7 ms at 16, where oneDNN's packed kernel
@@ -15,9 +14,9 @@ the engine keeps packed copies of the linear weights (``pack_weights=False`` tur
   batch-invariant mode runs every call on one of them instead of cutting calls into fixed-size
   chunks.
 
-The price is memory: one packed copy beside the model's own weights (two on a CPU without AMX). Elsewhere (CUDA,
-float16), linears sharing an input are fused by re-pointing the module parameters at slices of
-one concatenated tensor, so nothing is stored twice.
+The price is memory: one packed copy beside the model's own weights (two on a CPU without AMX).
+Elsewhere (CUDA, float16), linears sharing an input are fused by re-pointing the module parameters
+at slices of one concatenated tensor, so nothing is stored twice.
 """
 
 from __future__ import annotations
@@ -49,8 +48,8 @@ def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[1] != 2 * packed.shape[1]:
         flat = F.pad(flat, (0, 2 * packed.shape[1] - flat.shape[1]))
-    kernel = kernels.ops().linear_amx if amx else kernels.ops().linear_bf16
-    y = kernel(flat.contiguous(), packed, bias.float() if bias is not None else _NO_BIAS)
+    k = kernels.ops()
+    y = (k.linear_amx if amx else k.linear_bf16)(flat.contiguous(), packed, _NO_BIAS if bias is None else bias.float())
     return (y if y.shape[1] == n else y[:, :n]).reshape(*lead, n)
 
 

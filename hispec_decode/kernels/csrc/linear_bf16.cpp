@@ -30,6 +30,18 @@
 #define HISPEC_AMX 1
 #endif
 
+namespace {
+
+// The checks both kernels make of their operands: bf16, contiguous, x [M, 2*K2] against the
+// packed weight [blocks, K2, 16, 2].
+[[maybe_unused]] void check_operands(const torch::Tensor& x, const torch::Tensor& wp, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16, name, ": bf16 tensors");
+  TORCH_CHECK(x.is_contiguous() && wp.is_contiguous() && x.dim() == 2 && wp.dim() == 4, name, ": layout");
+  TORCH_CHECK(x.size(1) == 2 * wp.size(1), name, ": x has ", x.size(1), " features, the weight ", 2 * wp.size(1));
+}
+
+}  // namespace
+
 #if defined(__AVX512BF16__)
 
 namespace {
@@ -82,10 +94,8 @@ bool linear_bf16_available() { return true; }
 // x: [M, 2*K2] bf16 contiguous (K padded to even by the caller); wp: [Np/16, K2, 16, 2] bf16;
 // bias: fp32 [Np] or empty. Returns [M, Np] bf16 (Np = N rounded up to 16).
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16, "linear_bf16: bf16 tensors");
-  TORCH_CHECK(x.is_contiguous() && wp.is_contiguous() && x.dim() == 2 && wp.dim() == 4, "linear_bf16: layout");
+  check_operands(x, wp, "linear_bf16");
   const int64_t M = x.size(0), blocks = wp.size(0), K2 = wp.size(1), Np = blocks * kCols;
-  TORCH_CHECK(x.size(1) == 2 * K2, "linear_bf16: x has ", x.size(1), " features, the weight ", 2 * K2);
   auto y = torch::empty({M, Np}, x.options());
   const uint32_t* X = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* W = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
@@ -97,9 +107,11 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& wp, const
     constexpr int NB = 4;
     int64_t b = begin;
     for (; b + NB <= end; b += NB)
-      for (int64_t m0 = 0; m0 < M; m0 += 4) rows_tile<NB>(m0, std::min<int64_t>(4, M - m0), X, K2, W + b * block, B, Y, Np, b * kCols);
+      for (int64_t m0 = 0; m0 < M; m0 += 4)
+        rows_tile<NB>(m0, std::min<int64_t>(4, M - m0), X, K2, W + b * block, B, Y, Np, b * kCols);
     for (; b < end; ++b)
-      for (int64_t m0 = 0; m0 < M; m0 += 4) rows_tile<1>(m0, std::min<int64_t>(4, M - m0), X, K2, W + b * block, B, Y, Np, b * kCols);
+      for (int64_t m0 = 0; m0 < M; m0 += 4)
+        rows_tile<1>(m0, std::min<int64_t>(4, M - m0), X, K2, W + b * block, B, Y, Np, b * kCols);
   });
   return y;
 }
@@ -140,11 +152,9 @@ bool amx_available() {  // Linux hands out the tile state only on request, once 
 // x: [M, K] bf16 contiguous with K a multiple of 32; wp: the VNNI weight. Returns [M, Np] bf16.
 torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias) {
   TORCH_CHECK(amx_available(), "linear_amx: this CPU or kernel grants no AMX tiles");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16, "linear_amx: bf16 tensors");
-  TORCH_CHECK(x.is_contiguous() && wp.is_contiguous() && x.dim() == 2 && wp.dim() == 4, "linear_amx: layout");
+  check_operands(x, wp, "linear_amx");
   const int64_t M = x.size(0), K = x.size(1), blocks = wp.size(0), K2 = wp.size(1), Np = blocks * kCols;
-  TORCH_CHECK(K == 2 * K2 && K % 32 == 0, "linear_amx: x has ", K, " features, the weight ", 2 * K2,
-              " (a multiple of 32 is needed)");
+  TORCH_CHECK(K % 32 == 0, "linear_amx: ", K, " features; AMX tiles need a multiple of 32 (see pack_vnni)");
   auto y = torch::empty({M, Np}, x.options());
   const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* W = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
