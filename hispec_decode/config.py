@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .cache.block_manager import DEFAULT_BLOCK_SIZE
+from .decoding.tree import TREE_KINDS
 from .errors import HiSpecError
 from .sampling_params import SamplingParams
 from .validation import as_int, check_bool, check_int, help_text, is_real
@@ -44,19 +45,25 @@ class SpeculativeConfig:
         "L_d drafts while its top probability is at least this (0: always; default: the adapter's tuned policy)"))
     verify_threshold: float | None = field(default=None, metadata=help_text(
         "L_i adds tentative tokens while the product of their probabilities is at least this (0: up to the window)"))
+    tree: str | None = field(default=None, metadata=help_text(
+        "what L_d drafts per round: chain, static (a fixed tree shape) or dynamic (EAGLE-2's tree); default: tuned, else chain"))
+    tree_nodes: int | None = field(default=None, metadata=help_text("draft tree nodes per round at most (trees)"))
+    tree_width: int | None = field(default=None, metadata=help_text("draft tree children per node at most (trees)"))
     batch_aware: bool = field(default=True, metadata=help_text(
         "raise the thresholds with the batch size by the adapter's measured pass costs (off: the same policy at any size)"))
     use_exit_vocab: bool = field(default=True, metadata=help_text(
         "early exits predict over the heads' reduced vocabularies, where they have one"))
 
     def __post_init__(self) -> None:
-        as_int(self, "draft_layer", "verify_layer", "window", "num_draft")
+        as_int(self, "draft_layer", "verify_layer", "window", "num_draft", "tree_nodes", "tree_width")
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise HiSpecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         for name in ("draft_layer", "verify_layer"):
             check_int(name, getattr(self, name), None, optional=True)
-        for name in ("window", "num_draft"):
+        for name in ("window", "num_draft", "tree_nodes", "tree_width"):
             check_int(name, getattr(self, name), 1, optional=True)
+        if self.tree is not None and (not isinstance(self.tree, str) or self.tree not in TREE_KINDS):
+            raise HiSpecError(f"unknown tree {self.tree!r}; choose one of {', '.join(TREE_KINDS)}")
         for name in ("draft_threshold", "verify_threshold"):
             value = getattr(self, name)
             if value is not None and (not is_real(value) or not 0 <= value < math.inf):

@@ -54,7 +54,7 @@ def test_silu_and_mul_matches_torch(dtype):
     assert torch.allclose(got.float(), want.float(), rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-6)
 
 
-def _paged(dtype, kv_dtype, window=None, seed=3):
+def _paged(dtype, kv_dtype, window=None, seed=3, tree=False):
     g = torch.Generator().manual_seed(seed)
     H, Hk, d, bs, blocks = 9, 3, 64, 16, 40
     keys = torch.randn(Hk, blocks * bs, d, generator=g).to(kv_dtype)
@@ -63,30 +63,51 @@ def _paged(dtype, kv_dtype, window=None, seed=3):
     # rows: sequence 0 decodes one token at 37, sequence 1 verifies 4 at 100..103, sequence 2 at 5
     seq = torch.tensor([0, 1, 1, 1, 1, 2])
     length = torch.tensor([38, 101, 102, 103, 104, 6])
+    tree_base, tree_mask = length.clone(), torch.zeros(len(seq), 4, dtype=torch.uint8)
+    if tree:  # sequence 1's rows are a tree from slot 100: nodes 0 and 1 under the root, 2 under 0, 3 under 1
+        tree_base[1:5] = 100
+        tree_mask[1:5] = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.uint8)
     lo = length - window if window else torch.zeros_like(length)
     lo = lo.clamp(min=0)
     q = torch.randn(H, len(seq), d, generator=g).to(dtype)
-    return q, keys, values, seq, length, lo, tables, bs
+    return q, keys, values, seq, length, lo, tree_base, tree_mask, tables, bs
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                             (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("window", [None, 20])
-def test_paged_attention_matches_reference(dtype, kv_dtype, window):
-    q, keys, values, seq, length, lo, tables, bs = _paged(dtype, kv_dtype, window)
-    got = K.paged_attention(q, keys, values, seq, length, lo, tables, bs, 0.125)
-    want = native.paged_attention(q, keys, values, seq, length, lo, tables, bs, 0.125)
+@pytest.mark.parametrize("tree", [False, True])
+def test_paged_attention_matches_reference(dtype, kv_dtype, window, tree):
+    args = _paged(dtype, kv_dtype, window, tree=tree)
+    got = K.paged_attention(*args, 0.125)
+    want = native.paged_attention(*args, 0.125)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+def test_paged_attention_tree_rows_see_their_ancestors_only():
+    """A tree node's row equals the same query over the prefix and its ancestors laid out as a chain."""
+    q, keys, values, seq, length, lo, tree_base, tree_mask, tables, bs = _paged(torch.float32, torch.float32, tree=True)
+    got = K.paged_attention(q, keys, values, seq, length, lo, tree_base, tree_mask, tables, bs, 0.125)
+    slot = lambda p: int(tables[1, p // bs]) * bs + p % bs
+    for r, ancestors in ((3, [100, 102]), (4, [101, 103])):  # node 2 (row 3): root -> 0 -> 2; node 3: root -> 1 -> 3
+        chain_k, chain_v = keys.clone(), values.clone()
+        for i, a in enumerate(ancestors):  # the same entries moved to consecutive slots 100, 101
+            chain_k[:, slot(100 + i)], chain_v[:, slot(100 + i)] = keys[:, slot(a)], values[:, slot(a)]
+        alone = K.paged_attention(q[:, r : r + 1].contiguous(), chain_k, chain_v, seq[r : r + 1], torch.tensor([102]),
+                                  lo[r : r + 1], torch.tensor([102]), tree_mask[r : r + 1], tables, bs, 0.125)
+        assert torch.allclose(alone[0], got[r], atol=1e-6)
+
+
 def test_paged_attention_rows_are_independent_of_the_call():
-    q, keys, values, seq, length, lo, tables, bs = _paged(torch.bfloat16, torch.bfloat16)
-    together = K.paged_attention(q, keys, values, seq, length, lo, tables, bs, 0.125)
-    for r in range(q.shape[1]):
-        alone = K.paged_attention(q[:, r : r + 1].contiguous(), keys, values, seq[r : r + 1], length[r : r + 1],
-                                  lo[r : r + 1], tables, bs, 0.125)
-        assert torch.equal(alone[0], together[r])
+    for tree in (False, True):
+        q, keys, values, seq, length, lo, tree_base, tree_mask, tables, bs = _paged(torch.bfloat16, torch.bfloat16, tree=tree)
+        together = K.paged_attention(q, keys, values, seq, length, lo, tree_base, tree_mask, tables, bs, 0.125)
+        for r in range(q.shape[1]):
+            alone = K.paged_attention(q[:, r : r + 1].contiguous(), keys, values, seq[r : r + 1], length[r : r + 1],
+                                      lo[r : r + 1], tree_base[r : r + 1], tree_mask[r : r + 1].contiguous(), tables,
+                                      bs, 0.125)
+            assert torch.equal(alone[0], together[r])
 
 
 @pytest.mark.skipif(not kernels.has_linear_bf16(), reason="no AVX-512 BF16 here")

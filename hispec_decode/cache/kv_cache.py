@@ -55,6 +55,17 @@ class PagedKVCache:
         keys[:, slots] = k[0].to(keys.dtype)  # a float32 pool (batch-invariant mode) keeps bf16 exactly
         values[:, slots] = v[0].to(values.dtype)
 
+    def move(self, seq_id: int, pairs: list[tuple[int, int]]) -> None:
+        """Copy the K/V of positions ``src`` to positions ``dst`` of ``seq_id`` in every layer, for
+        each ``(src, dst)`` of ``pairs`` (an accepted tree path moved to consecutive slots)."""
+        if not pairs:
+            return
+        table, bs = self.manager.table(seq_id), self.block_size
+        src = torch.tensor([table[p // bs] * bs + p % bs for p, _ in pairs], device=self.device)
+        dst = torch.tensor([table[p // bs] * bs + p % bs for _, p in pairs], device=self.device)
+        for pool in (*self.keys, *self.values):
+            pool[:, dst] = pool[:, src]  # the gather copies first, so overlapping pairs are safe
+
     def read(self, layer: int, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V at ``slots`` as ``[1, n_kv, S, d]`` each."""
         if isinstance(slots, slice):

@@ -9,6 +9,11 @@ A policy is confidence-adaptive (docs/policy.md):
   stays at least ``verify_threshold``, up to ``window``; then ``L_f`` verifies them (its bonus token
   is gated before it joins; a replacement of a rejected draft always joins, since gating only
   replacements would bias what the accepted ones leave at that position);
+* a round's drafts are a chain (``tree="chain"``: ``num_draft`` tokens at most) or a token tree
+  (``"static"`` or ``"dynamic"``, docs/trees.md): ``tree_nodes`` nodes at most, ``num_draft``
+  levels deep, ``tree_width`` children per node; ``L_i`` prunes it to one path (or ``L_f`` verifies
+  it whole when the middle level is off); in a batch a node needs a path probability of at least
+  the batch's break-even acceptance;
 * batch-aware: ``batch_thresholds`` maps a batch size to the acceptance a speculated token needs
   to pay for the extra rows it adds to a pass at that size (measured by ``hispec-tune``); the
   effective thresholds are never below it, and above 1 the sequence does not speculate at all.
@@ -38,7 +43,11 @@ DEFAULT_VERIFY_FRACTION = 1 / 4
 DEFAULT_WINDOW = 2  # N_i
 DEFAULT_NUM_DRAFT = 1  # k (self_spec) and k_d (hispec)
 DEFAULT_THRESHOLD = 0.0
-TUNABLE = ("draft_layer", "verify_layer", "window", "num_draft", "draft_threshold", "verify_threshold")
+DEFAULT_TREE = "chain"
+DEFAULT_TREE_NODES = 8
+DEFAULT_TREE_WIDTH = 4
+TUNABLE = ("draft_layer", "verify_layer", "window", "num_draft", "draft_threshold", "verify_threshold", "tree",
+           "tree_nodes", "tree_width")
 
 
 @dataclass(frozen=True)
@@ -52,16 +61,23 @@ class Policy:
     draft_threshold: float = DEFAULT_THRESHOLD  # L_d drafts while its top probability is at least this
     verify_threshold: float = DEFAULT_THRESHOLD  # L_i adds tokens while their probability product is at least this
     batch_thresholds: tuple[tuple[int, float], ...] = ()  # (batch size, break-even acceptance), increasing sizes
+    tree: str = DEFAULT_TREE  # chain, static or dynamic
+    tree_nodes: int = DEFAULT_TREE_NODES  # draft tree nodes at most (trees only)
+    tree_width: int = DEFAULT_TREE_WIDTH  # children per node at most (trees only)
 
     def at_batch(self, batch_size: int) -> tuple[float, float]:
         """Effective ``(draft_threshold, verify_threshold)`` in a batch of ``batch_size`` sequences
         (above 1: do not speculate)."""
-        floor = 0.0
-        if self.batch_thresholds:
-            sizes = [b for b, _ in self.batch_thresholds]
-            i = bisect.bisect_right(sizes, batch_size) - 1
-            floor = self.batch_thresholds[max(i, 0)][1]
+        floor = self.floor(batch_size)
         return max(self.draft_threshold, floor), max(self.verify_threshold, floor)
+
+    def floor(self, batch_size: int) -> float:
+        """The acceptance a speculated token needs to pay for its rows in a batch of this size."""
+        if not self.batch_thresholds:
+            return 0.0
+        sizes = [b for b, _ in self.batch_thresholds]
+        i = bisect.bisect_right(sizes, batch_size) - 1
+        return self.batch_thresholds[max(i, 0)][1]
 
 
 def resolve_policy(config: SpeculativeConfig, num_layers: int, roles: dict[str, int | None] | None = None,
@@ -88,7 +104,9 @@ def resolve_policy(config: SpeculativeConfig, num_layers: int, roles: dict[str, 
         batch = ()
     return Policy(draft_layer, verify_layer, window, num_draft,
                   float(_first(value["draft_threshold"], DEFAULT_THRESHOLD)),
-                  float(_first(value["verify_threshold"], DEFAULT_THRESHOLD)), batch)
+                  float(_first(value["verify_threshold"], DEFAULT_THRESHOLD)), batch,
+                  _first(value["tree"], DEFAULT_TREE), _first(value["tree_nodes"], DEFAULT_TREE_NODES),
+                  _first(value["tree_width"], DEFAULT_TREE_WIDTH))
 
 
 def _checked_tuned(tuned: dict[str, Any], method: str) -> dict[str, Any]:

@@ -7,6 +7,14 @@ rejection the next token is drawn from ``norm(max(0, p - q))``; when every propo
 accepted a bonus token is drawn from ``p`` at the next position. Each accepted-or-replaced
 token is then an exact sample of ``p``. HiSpec applies it twice: ``L_i`` against the draft,
 then ``L_f`` against ``L_i`` (whose tentative tokens are exact samples of ``p_i``).
+
+A draft tree's candidates are not draws from the draft distribution (they are its top choices, a
+deterministic function of the context), so a tree is verified by walking it from the root
+(:meth:`TokenSampler.verify_tree`): at each node the target chooses the next token *given the
+candidates*, by sequential point-mass rejection: child ``c_1`` is accepted with probability
+``r(c_1)`` under the target's distribution ``r = p``; if rejected, ``r`` loses ``c_1`` and is
+renormalised and ``c_2`` is tried with probability ``r(c_2)``; if every child is rejected the token
+is drawn from what is left of ``r``. Each token is then an exact sample of ``p`` (docs/trees.md).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import torch
 from .. import kernels
 from ..errors import HiSpecError
 from ..sampling_params import SamplingParams
+from .tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,80 @@ class TokenSampler:
                 j = int(rejected[0])
         token = self._draw(residual(p[j], proposal[j]) if j < n else p[j])
         return Verdict(j, token, p)
+
+    def candidates(self, logits: torch.Tensor, k: int, positions: list[int]) -> list[list[tuple[int, float]]]:
+        """A draft tree's candidates from rows of draft logits [m, vocab], row ``i`` for position
+        ``positions[i]``: each row's ``k`` most likely tokens with their probabilities (warped when
+        sampling), most likely first; in the drafter-invariant mode ranked by the Gumbel-perturbed
+        score of the position, so the first is the token a chain would draft."""
+        probs = logits.float().softmax(-1) if self.greedy else self.probs(logits)
+        k = min(k, probs.shape[-1])
+        if self.gumbel:
+            order = torch.stack([(row.double().log() + self.noise(pos, probs.shape[-1])).topk(k).indices
+                                 for row, pos in zip(probs, positions)])
+        else:
+            order = probs.topk(k, dim=-1).indices
+        top = probs.gather(-1, order)
+        return [[(t, q) for t, q in zip(ts, qs) if q > 0] for ts, qs in zip(order.tolist(), top.tolist())]
+
+    def verify_tree(self, tree: DraftTree, target_logits: torch.Tensor) -> TreeVerdict:
+        """Walk ``tree`` from its root against target logits [1 + len(tree), vocab] (row 0: the root,
+        row 1 + i: node i): at each node the target chooses a token (greedy: its argmax; drafter-
+        invariant: its Gumbel argmax at that position; else sequential point-mass rejection over the
+        node's children, see the module docstring); a child holding it is accepted and the walk goes on."""
+        best = kernels.argmax(target_logits).tolist() if self.greedy else None
+        p = None if self.greedy else self.probs(target_logits)
+        path, node, rows = [], -1, [0]
+        while True:
+            row = node + 1
+            kids = tree.children(node)
+            by_token = {tree.tokens[c]: c for c in kids}
+            if self.greedy:
+                token = best[row]
+            elif self.gumbel:
+                token = self._gumbel_argmax(p[row], tree.base + tree.depth(node))
+            else:
+                token = self._point_mass(p[row], [tree.tokens[c] for c in kids])
+            child = by_token.get(token)
+            if child is None:
+                return TreeVerdict(path, token, bool(kids), rows, None if p is None else p[rows])
+            path.append(child)
+            rows.append(child + 1)
+            node = child
+
+    def _point_mass(self, p: torch.Tensor, candidates: list[int]) -> int:
+        """An exact sample of ``p`` [vocab] that is one of ``candidates`` as often as it can be:
+        each is accepted with its probability under what the rejected ones left."""
+        r = p
+        for c in candidates:
+            if float(torch.rand((), generator=self.generator)) < float(r[c]):
+                return c
+            r = r.clone()
+            r[c] = 0
+            total = float(r.sum())
+            if total <= 0:  # p was a point mass on rejected candidates: impossible unless rounding
+                return c
+            r = r / total
+        return self._draw(r)
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """What verifying a draft tree decided: the accepted nodes (a root-to-node path), the target's
+    token after them, and whether that token replaces rejected children (else it is a bonus after a
+    leaf). ``rows``: the logits rows of the root and the path (for gates), ``target_probs`` the warped
+    target distribution of those rows (sampling only)."""
+
+    path: list[int]
+    token: int
+    replaced: bool
+    rows: list[int]
+    target_probs: torch.Tensor | None
+
+    @property
+    def verdict(self) -> Verdict:
+        """The same decision as a chain's (once the path has been moved to consecutive slots)."""
+        return Verdict(len(self.path), self.token, self.target_probs)
 
 
 def greedy_verdict(candidates: list[int], best: list[int]) -> Verdict:

@@ -44,6 +44,16 @@ class ContextStates:
         """Forget every state before ``position`` (nothing reads it again after a commit)."""
         self._drop(lambda p: p < position)
 
+    def move(self, start: int, kept: list[int]) -> None:
+        """An accepted tree path: the states at slots ``kept`` (increasing, all >= ``start``) move to
+        ``start, start + 1, ...``; every other state from ``start`` on is forgotten."""
+        target = {src: start + i for i, src in enumerate(kept)}
+        for states in (self.final, *self.own.values()):
+            moved = {target[p]: states.pop(p) for p in [p for p in states if p in target]}
+            for p in [p for p in states if p >= start]:
+                del states[p]
+            states.update(moved)
+
     def clear(self) -> None:
         self.final, self.own = {}, {}
 

@@ -86,7 +86,7 @@ class LLMEngine:
             )
         rid = next(self._ids)
         seq = Sequence(rid, row, manager, self.exits, TokenSampler(params), limit,
-                       params.eos_ids(decoder.default_eos_ids()), self.policy)
+                       params.eos_ids(decoder.default_eos_ids()), self.policy, self.cache)
         self.sequences[rid] = seq
         self.scheduler.add(seq)
         return rid

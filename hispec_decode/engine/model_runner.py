@@ -59,7 +59,8 @@ class ModelRunner:
             exits = group[0][1].exits
             lo, hi = (exits[band - 1] if band else 0), exits[last]
             spans = [(st.seq_id, st.processed(band), requests[i].end - st.processed(band)) for i, st in group]
-            meta = self.decoder.meta(cache, spans)
+            trees = [st.tree.rows() if st.tree is not None else None for _, st in group]
+            meta = self.decoder.meta(cache, spans, trees if any(t is not None for t in trees) else None)
             if band == 0:
                 ids = [t for i, st in group for t in st.tokens[st.processed(0) : requests[i].end]]
                 x = self.decoder.embed(torch.tensor(ids, device=self.decoder.device), meta)
@@ -117,8 +118,8 @@ class ModelRunner:
 
     def _context_transform(self, layer: int, seqs: list[Sequence], rows: list[torch.Tensor]) -> torch.Tensor:
         """A deep-context head's transform of each sequence's newest rows ([1, n_i, hidden] each),
-        in position order: a row whose previous position has no known state yet reads the output
-        this head just computed there. Returns [1, sum n_i, hidden] in request order."""
+        in slot order: a row whose previous position (a tree node's: its parent) has no known state
+        yet reads the output this head just computed there. Returns [1, sum n_i, hidden] in request order."""
         head = self.heads[layer]
         size = head.context_size
         outs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -127,7 +128,7 @@ class ModelRunner:
             positions = [len(seqs[k].tokens) - rows[k].shape[1] + j for k in members]
             h = torch.cat([rows[k][:, j : j + 1] for k in members], dim=1)  # [1, m, hidden]
             zero = h.new_zeros(size)
-            ctx = torch.stack([c if (c := seqs[k].context.context_at(layer, p - 1)) is not None else zero
+            ctx = torch.stack([c if (c := seqs[k].context.context_at(layer, seqs[k].previous(p))) is not None else zero
                                for k, p in zip(members, positions)])[None]  # [1, m, C]
             x = self.decoder.rowwise(head.transform, h, ctx)
             own = self.decoder.rowwise(lambda y: head.context_of(y, self.decoder), x)[0]  # [m, C]

@@ -12,6 +12,10 @@ generator held in ``decode_loop``; it yields the engine work it needs next, whic
 ``request``, ``committed``, ``tokens``) to decide who runs; the engine sends each served
 request's logits back into ``decode_loop``. Preemption drops the generator and everything
 uncommitted (:meth:`rewind`); the loop restarts from the committed tokens.
+
+While a draft tree is out (``tree``), ``tokens[tree.base:]`` are its nodes in slot order and each
+band's length counts the nodes it has run; :meth:`accept_path` turns the tree back into a chain (the
+accepted path, moved to consecutive slots in the cache, its hidden states and contexts with it).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from typing import Any, Generator
 import torch
 
 from ..cache.block_manager import BlockManager
+from ..cache.kv_cache import PagedKVCache
 from ..decoding.policy import Policy
 from ..decoding.sampling import TokenSampler, Verdict
+from ..decoding.tree import DraftTree
 from ..sampling_params import SamplingParams
 from .context_states import ContextStates
 
@@ -72,11 +78,13 @@ class Sequence:
 
     def __init__(self, seq_id: int, prompt: list[int], blocks: BlockManager, exits: tuple[int, ...],
                  sampler: TokenSampler | None = None, limit: int | None = None, eos: frozenset[int] = frozenset(),
-                 policy: Policy | None = None) -> None:
+                 policy: Policy | None = None, kv: PagedKVCache | None = None) -> None:
         self.seq_id = seq_id
         self.tokens = list(prompt)
         self.prompt_length = len(prompt)
         self.blocks = blocks  # keeps this sequence's block table and band lengths under seq_id
+        self.kv = kv  # the K/V pools behind ``blocks`` (None: a stand-in that stores no K/V, e.g. tuning replays)
+        self.tree: DraftTree | None = None  # a draft tree being drafted or checked (tokens[tree.base:])
         self.exits = exits  # band tops, increasing; the last one is the number of layers
         # pending[j]: hidden state at exits[j] for positions [processed(j+1), processed(j)), [1, n, hidden]
         self.pending: list[torch.Tensor | None] = [None] * (len(exits) - 1)
@@ -103,6 +111,13 @@ class Sequence:
         """How many leading tokens the layers of ``band`` have seen."""
         return self.blocks.lengths(self.seq_id)[band]
 
+    def previous(self, slot: int) -> int:
+        """The slot of the token before the one at ``slot`` (a tree node's parent)."""
+        tree = self.tree
+        if tree is None or slot < tree.base:
+            return slot - 1
+        return tree.slot_of(tree.parents[slot - tree.base])
+
     def room(self) -> int:
         return self.limit - len(self.tokens)
 
@@ -124,9 +139,12 @@ class Sequence:
         self.blocks.free(self.seq_id)
         self.pending = [None] * len(self.pending)
         self.context.clear()
+        self.tree = None
 
     def truncate(self, length: int) -> None:
         """Forget every token at position >= ``length``, in all bands and pending states."""
+        if self.tree is not None:
+            raise RuntimeError("truncating a sequence with a draft tree out: accept a path first")
         before = [self.processed(b) for b in range(len(self.exits))]
         del self.tokens[length:]
         self.blocks.truncate(self.seq_id, length)
@@ -140,10 +158,37 @@ class Sequence:
         """Back to the last commit (after :meth:`free_blocks`): uncommitted tokens dropped, the sampler
         rewound, so redrawing gives the same samples as without the interruption."""
         del self.tokens[self.committed :]
+        self.tree = None
         self.sampler.generator.set_state(self.rng_state)
         self.decode_loop, self.request = None, None
 
     # -- what verification decided ----------------------------------------------------------
+    def accept_path(self, path: list[int]) -> None:
+        """Keep the draft tree's nodes ``path`` (a root-to-node path, in depth order) as the tokens
+        after ``tree.base`` and forget the rest of the tree: the path's K/V entries move to consecutive
+        slots in every layer (vLLM-style copies of the few moved entries), each band keeps the path
+        nodes it ran, waiting hidden states and deep-context states follow, and blocks no band needs
+        any more are freed. Nothing of a rejected branch is ever read again."""
+        tree, self.tree = self.tree, None
+        if tree is None:
+            raise RuntimeError("no draft tree to accept a path of")
+        base = tree.base
+        slots = [tree.slot_of(i) for i in path]
+        if self.kv is not None:
+            self.kv.move(self.seq_id, [(s, base + d) for d, s in enumerate(slots) if s != base + d])
+        before = [self.processed(b) for b in range(len(self.exits))]
+        after = [min(n, base) + sum(s < n for s in slots) for n in before]
+        keep = set(range(base)) | set(slots)
+        for band, pending in enumerate(self.pending):
+            if pending is not None:
+                rows = [r for r, s in enumerate(range(before[band + 1], before[band])) if s in keep]
+                self.pending[band] = pending[:, rows] if rows else None
+        self.tokens[base:] = [tree.tokens[i] for i in path]
+        self.context.move(base, slots)
+        for band, n in enumerate(after):
+            self.blocks.set_length(self.seq_id, band, n)
+        self.blocks.truncate(self.seq_id, len(self.tokens))
+
     def extend(self, start: int, verdict: Verdict) -> bool:
         """Keep ``tokens[:start + accepted]`` and append the verdict's token if there is room."""
         self.truncate(start + verdict.accepted)

@@ -9,6 +9,7 @@ model's and sampled output is an exact sample of it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from ..decoding.policy import Policy
 from ..decoding.sampling import Verdict
 from .sequence import BandRequest, Sequence
+from .tree_draft import draft_tree
 
 # A strategy's decode loop is a generator: it yields the engine work it needs (a BandRequest),
 # receives that request's logits, and returns when the sequence is finished. The engine drives
@@ -63,6 +65,38 @@ def step_autoregressive(seq: Sequence, top_band: int) -> DecodeLoop:
     seq.commit(len(seq.tokens), Verdict(0, token, None))
 
 
+@dataclass(frozen=True)
+class Check:
+    """One round of drafting and checking at one exit: how many tokens (chain) or nodes (tree) were
+    drafted, the decision (in a chain's terms: the accepted drafts are ``tokens[first:]``), the checking
+    exit's logits rows at the root and the accepted drafts (for gates), and whether the verdict's token
+    replaces rejected drafts (else it is a bonus after the last accepted one)."""
+
+    drafted: int
+    verdict: Verdict
+    logits: torch.Tensor
+    replaced: bool
+
+
+def draft_and_check(seq: Sequence, band: int, threshold: float) -> Generator[BandRequest, torch.Tensor, Check]:
+    """Draft at ``L_d`` under ``seq.policy`` (a chain or a tree) and check the drafts at the exit on
+    top of ``band`` in one pass; a tree is pruned to its accepted path (moved to consecutive slots)."""
+    policy, first = seq.policy, len(seq.tokens)
+    if policy.tree == "chain":
+        drafts, q = yield from draft(seq, policy.num_draft, threshold)
+        logits = yield BandRequest(seq, band, len(drafts) + 1)
+        verdict = seq.sampler.verify(drafts, q, logits, first)
+        return Check(len(drafts), verdict, logits, verdict.accepted < len(drafts))
+    tree = yield from draft_tree(seq, policy, threshold, policy.floor(seq.batch_size))
+    if tree is None:
+        logits = yield BandRequest(seq, band, 1)
+        return Check(0, seq.sampler.verify([], None, logits, first), logits, False)
+    logits = yield BandRequest(seq, band, len(tree) + 1)  # the root and every node, in slot order
+    walk = seq.sampler.verify_tree(tree, logits)
+    seq.accept_path(walk.path)
+    return Check(len(tree), walk.verdict, logits[walk.rows], walk.replaced)
+
+
 class Strategy(ABC):
     name: str
 
@@ -101,13 +135,11 @@ class SelfSpec(Strategy):
                 yield from step_autoregressive(seq, 1)
                 continue
             start = len(seq.tokens)
-            drafts, q = yield from draft(seq, seq.policy.num_draft, draft_threshold)
-            logits = yield BandRequest(seq, 1, len(drafts) + 1)
+            check = yield from draft_and_check(seq, 1, draft_threshold)
             seq.counters.calls_full += 1
-            verdict = seq.sampler.verify(drafts, q, logits, start)
-            seq.counters.tentative += len(drafts)
-            seq.counters.accepted_final += verdict.accepted
-            seq.commit(start, verdict)
+            seq.counters.tentative += check.drafted
+            seq.counters.accepted_final += check.verdict.accepted
+            seq.commit(start, check.verdict)
 
 
 class HiSpec(Strategy):
@@ -139,21 +171,20 @@ class HiSpec(Strategy):
             confidence = 1.0  # L_i's probability of the tentative tokens so far
             while True:
                 first = len(seq.tokens)
-                drafts, q = yield from draft(seq, policy.num_draft, draft_threshold)
-                logits = yield BandRequest(seq, 1, len(drafts) + 1)
+                check = yield from draft_and_check(seq, 1, draft_threshold)
                 seq.counters.calls_intermediate += 1
-                verdict = seq.sampler.verify(drafts, q, logits, first)
-                seq.counters.drafted += len(drafts)
+                verdict = check.verdict
+                seq.counters.drafted += check.drafted
                 seq.counters.accepted_intermediate += verdict.accepted
                 gated = verify_threshold > 0  # no gate: no confidence to compute
-                if gated:  # [len(drafts) + 1]: L_i's top probability per position
-                    tops = seq.sampler.confidence(logits, verdict.target_probs)
-                    confidence *= _probability(verdict, drafts[: verdict.accepted], tops)
+                if gated:  # [accepted + 1 or more]: L_i's top probability at the root and each accepted draft
+                    tops = seq.sampler.confidence(check.logits, verdict.target_probs)
+                    confidence *= _probability(verdict, seq.tokens[first : first + verdict.accepted], tops)
                 # L_i's own token: a replacement of a rejected draft always joins (dropping only those
                 # would keep the accepted drafts' tokens alone at that position, no longer samples of
                 # L_i); a bonus joins while L_i's top probability keeps the product at the gate, else
                 # the window closes and L_f chooses that position itself
-                replacement = verdict.accepted < len(drafts)
+                replacement = check.replaced
                 if not gated or replacement or confidence * float(tops[verdict.accepted]) >= verify_threshold:
                     appended = seq.extend(first, verdict)
                     if gated and appended:

@@ -30,15 +30,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq: torch.Tensor, length: torch.Tensor,
-                    lo: torch.Tensor, tables: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+                    lo: torch.Tensor, tree_base: torch.Tensor, tree_mask: torch.Tensor, tables: torch.Tensor,
+                    block_size: int, scale: float) -> torch.Tensor:
     """The kernel's contract, one row at a time in float32 (a reference, not a fast path): q
-    [H, rows, d], pools [Hk, slots, d], row r of sequence ``seq[r]`` sees positions ``lo[r] ..
-    length[r] - 1`` through block table ``tables[seq[r]]``. Returns [rows, H * d]."""
+    [H, rows, d], pools [Hk, slots, d], row r of sequence ``seq[r]`` sees slots ``lo[r] ..
+    length[r] - 1`` through block table ``tables[seq[r]]``, except slots ``p >= tree_base[r]`` whose
+    ``tree_mask[r, p - tree_base[r]]`` is 0 (another branch of a draft tree). Returns [rows, H * d]."""
     heads, rows, d = q.shape
     group = heads // keys.shape[0]
     out = torch.empty(rows, heads, d, dtype=q.dtype)
     for r in range(rows):
         p = torch.arange(int(lo[r]), int(length[r]))
+        tb = int(tree_base[r])
+        p = p[(p < tb) | tree_mask[r, (p - tb).clamp(0, tree_mask.shape[1] - 1)].bool()]
         slots = tables[int(seq[r])].long()[p // block_size] * block_size + p % block_size
         k = keys[:, slots].float().repeat_interleave(group, 0)  # [H, n, d]
         v = values[:, slots].float().repeat_interleave(group, 0)

@@ -5,6 +5,9 @@ tensor (no padding). The metadata is an explicit object handed to each layer (ne
 global): for every sequence, which positions its new tokens take, where they go in the paged
 cache and which slots hold its past. Each sequence attends to its own past only, under its
 own causal mask; masks are built once per call and sliding-window size, then shared by all layers.
+A sequence with a draft tree (:class:`~hispec_decode.decoding.tree.TreeRows`) gives its tree's rows
+their positions (prefix length + depth) and a visibility mask: a node sees the prefix, its ancestors
+and itself, never another branch.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from .. import kernels
 
 if TYPE_CHECKING:
     from ..cache.kv_cache import PagedKVCache, Slots
+    from ..decoding.tree import TreeRows
 
 
 @dataclass
@@ -29,23 +33,37 @@ class Segment:
     start: int  # position of the first new token (= tokens this band already holds)
     num_new: int
     offset: int  # row of the first new token in the packed batch
-    read: Slots  # pool slots of positions 0 .. start + num_new
+    read: Slots  # pool slots of slots 0 .. start + num_new
     device: torch.device
+    tree: TreeRows | None = None  # slots from tree.base on are a draft tree's nodes
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def positions(self) -> torch.Tensor:
+        """Positions of the slots ``0 .. start + num_new`` (a tree's nodes: base - 1 + depth)."""
+        total = self.start + self.num_new
+        pos = torch.arange(total)
+        if self.tree is not None and total > self.tree.base:
+            pos[self.tree.base :] = self.tree.base - 1 + self.tree.depth[: total - self.tree.base]
+        return pos
 
     def mask(self, sliding_window: int | None = None) -> torch.Tensor | None:
         """Boolean mask [num_new, start + num_new] (True = attend), or None when all keys are visible."""
         if sliding_window not in self._masks:
             total = self.start + self.num_new
-            if self.num_new == 1 and (sliding_window is None or total <= sliding_window):
+            if self.tree is None and self.num_new == 1 and (sliding_window is None or total <= sliding_window):
                 self._masks[sliding_window] = None
             else:
-                kv = torch.arange(total, device=self.device)[None, :]
-                q = torch.arange(self.start, total, device=self.device)[:, None]
+                kv = torch.arange(total)[None, :]
+                q = torch.arange(self.start, total)[:, None]
                 allowed = kv <= q
+                if self.tree is not None and total > self.tree.base:  # tree rows see the prefix and their ancestors
+                    base = self.tree.base
+                    nodes = torch.arange(max(self.start, base), total) - base
+                    allowed[nodes + base - self.start, base:] = self.tree.visible[nodes][:, : total - base]
                 if sliding_window is not None:
-                    allowed &= kv > q - sliding_window
-                self._masks[sliding_window] = allowed
+                    pos = self.positions()
+                    allowed &= pos[None, :] > pos[self.start :, None] - sliding_window
+                self._masks[sliding_window] = allowed.to(self.device)
         return self._masks[sliding_window]
 
 
@@ -67,7 +85,7 @@ class AttentionMeta:
     def paged_rows(self, cache: PagedKVCache) -> PagedRows:
         """Every new row's sequence, visible keys and block table for the paged kernel (once per call)."""
         if self._rows is None:
-            self._rows = PagedRows.build(self.segments, cache)
+            self._rows = PagedRows.build(self.segments, cache, self.positions)
         return self._rows
 
     def row_groups(self, block_size: int) -> list[RowGroup]:
@@ -79,7 +97,7 @@ class AttentionMeta:
     @property
     def contiguous_positions(self) -> slice | None:
         """The positions as a slice when they are one run ``a, a+1, ...`` (one segment)."""
-        if len(self.segments) == 1:
+        if len(self.segments) == 1 and self.segments[0].tree is None:
             s = self.segments[0]
             return slice(s.start, s.start + s.num_new)
         return None
@@ -88,16 +106,20 @@ class AttentionMeta:
 @dataclass
 class PagedRows:
     """What the paged attention kernel reads for each query row of a call: row ``r`` belongs to
-    segment ``seq[r]``, whose pool blocks are ``tables[seq[r]]``, and sees positions
-    ``lo .. length[r] - 1`` (causal; ``lo`` > 0 only under a sliding window)."""
+    segment ``seq[r]``, whose pool blocks are ``tables[seq[r]]``, and sees slots ``lo .. length[r] - 1``
+    (causal; ``lo`` > 0 only under a sliding window), except, of the slots from ``tree_base[r]`` on (a
+    draft tree's), those its row of ``tree_mask`` does not set."""
 
     seq: torch.Tensor  # [T] int64
-    length: torch.Tensor  # [T] int64
+    length: torch.Tensor  # [T] int64: the row's slot + 1
+    position: torch.Tensor  # [T] int64: the row's position (= slot outside trees)
+    tree_base: torch.Tensor  # [T] int64 (= length outside trees: nothing masked)
+    tree_mask: torch.Tensor  # [T, max tree size or 1] uint8
     tables: torch.Tensor  # [segments, max blocks] int32
     _lo: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, segments: list[Segment], cache: PagedKVCache) -> PagedRows:
+    def build(cls, segments: list[Segment], cache: PagedKVCache, positions: torch.Tensor) -> PagedRows:
         seq, length, tables = [], [], []
         for i, s in enumerate(segments):
             seq += [i] * s.num_new
@@ -105,12 +127,26 @@ class PagedRows:
             tables.append(cache.manager.table(s.seq_id)[: -(-(s.start + s.num_new) // cache.block_size)])
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        return cls(torch.tensor(seq), torch.tensor(length), padded)
+        length_t = torch.tensor(length)
+        tree_base = length_t.clone()
+        trees = max((len(s.tree.depth) for s in segments if s.tree is not None), default=1)
+        mask = torch.zeros(len(length), trees, dtype=torch.uint8)
+        for s in segments:
+            if s.tree is not None and s.start + s.num_new > s.tree.base:
+                first = max(s.start, s.tree.base)
+                rows = torch.arange(first, s.start + s.num_new) - s.start + s.offset
+                nodes = torch.arange(first, s.start + s.num_new) - s.tree.base
+                tree_base[rows] = s.tree.base
+                vis = s.tree.visible[nodes]
+                mask[rows, : vis.shape[1]] = vis.to(torch.uint8)
+        return cls(torch.tensor(seq), length_t, positions.cpu(), tree_base, mask, padded)
 
     def lo(self, sliding_window: int | None) -> torch.Tensor:
+        """The first slot each row sees: by position (a tree's depth stays below the window, so
+        below ``base`` a slot is its position)."""
         if sliding_window not in self._lo:
             self._lo[sliding_window] = (torch.zeros_like(self.length) if sliding_window is None
-                                        else (self.length - sliding_window).clamp(min=0))
+                                        else (self.position + 1 - sliding_window).clamp(min=0))
         return self._lo[sliding_window]
 
 
@@ -144,7 +180,7 @@ def single_row_groups(segments: list[Segment], block_size: int, spread: float = 
     """The one-token segments in groups of similar length (the longest at most ``spread`` times
     the shortest), so padding to the longest wastes little of the gather."""
     groups: list[list[Segment]] = []
-    for seg in sorted((s for s in segments if s.num_new == 1), key=lambda s: s.start):
+    for seg in sorted((s for s in segments if s.num_new == 1 and s.tree is None), key=lambda s: s.start):
         if groups and seg.start + 1 <= spread * (groups[-1][0].start + 1):
             groups[-1].append(seg)
         else:
@@ -164,12 +200,16 @@ def single_row_groups(segments: list[Segment], block_size: int, spread: float = 
     return out
 
 
-def build_meta(cache: PagedKVCache, spans: list[tuple[int, int, int]]) -> AttentionMeta:
-    """Metadata for new tokens of several sequences: ``spans`` holds ``(seq_id, start, num_new)``."""
+def build_meta(cache: PagedKVCache, spans: list[tuple[int, int, int]],
+               trees: list[TreeRows | None] | None = None) -> AttentionMeta:
+    """Metadata for new tokens of several sequences: ``spans`` holds ``(seq_id, start, num_new)``;
+    ``trees`` the draft tree of each sequence, if it has one."""
     segments, positions, writes, offset = [], [], [], 0
-    for seq_id, start, n in spans:
-        segments.append(Segment(seq_id, start, n, offset, cache.slots(seq_id, 0, start + n), cache.device))
-        positions.append(torch.arange(start, start + n))
+    for j, (seq_id, start, n) in enumerate(spans):
+        tree = trees[j] if trees is not None else None
+        seg = Segment(seq_id, start, n, offset, cache.slots(seq_id, 0, start + n), cache.device, tree)
+        segments.append(seg)
+        positions.append(torch.arange(start, start + n) if tree is None else seg.positions()[start:])
         writes.append(cache.slots(seq_id, start, start + n))
         offset += n
     if len(writes) == 1:
@@ -209,10 +249,10 @@ def attend(
         return out.transpose(1, 2).flatten(2)
     out = torch.empty_like(q)
     for seg in meta.segments:
-        if seg.num_new > 1:
+        if seg.num_new > 1 or seg.tree is not None:
             keys, values = cache.read(layer, seg.read)
             sl = slice(seg.offset, seg.offset + seg.num_new)
-            out[:, :, sl] = F.scaled_dot_product_attention(
+            out[:, :, sl] = F.scaled_dot_product_attention(  # a tree's rows: under its visibility mask
                 q[:, :, sl], keys, values, attn_mask=seg.mask(sliding_window), scale=scale, enable_gqa=gqa)
     for group in meta.row_groups(cache.block_size):
         out[:, :, group.rows] = _attend_rows(q, group, cache, layer, scale, sliding_window)
@@ -223,7 +263,8 @@ def _attend_paged(kern, q: torch.Tensor, meta: AttentionMeta, cache: PagedKVCach
                   sliding_window: int | None) -> torch.Tensor:
     rows = meta.paged_rows(cache)
     out = kern.paged_attention(q[0].contiguous(), cache.keys[layer], cache.values[layer], rows.seq, rows.length,
-                               rows.lo(sliding_window), rows.tables, cache.block_size, scale)
+                               rows.lo(sliding_window), rows.tree_base, rows.tree_mask, rows.tables,
+                               cache.block_size, scale)
     return out[None]
 
 
@@ -276,8 +317,13 @@ def attend_invariant(
         qf = q[0, :, seg.offset : seg.offset + seg.num_new].float()  # [n_heads, num_new, d]
         for j in range(seg.num_new):
             t = seg.start + j
-            lo = 0 if sliding_window is None else max(0, t + 1 - sliding_window)
+            position = int(meta.positions[seg.offset + j])
+            lo = 0 if sliding_window is None else max(0, position + 1 - sliding_window)
+            seen = slice(lo, t + 1)
+            if seg.tree is not None and t >= seg.tree.base:  # the prefix, its ancestors and itself
+                base = seg.tree.base
+                seen = torch.cat([torch.arange(lo, base), base + seg.tree.visible[t - base].nonzero()[:, 0]])
             qs = (qf[:, j].reshape(n_kv, n_heads // n_kv, d) * scale).contiguous()  # [n_kv, group, d]
-            probs = torch.matmul(qs, keys[0, :, lo : t + 1].transpose(1, 2)).softmax(-1)  # [n_kv, group, keys]
-            out[0, :, seg.offset + j] = torch.matmul(probs, values[0, :, lo : t + 1]).reshape(n_heads, d)
+            probs = torch.matmul(qs, keys[0][:, seen].transpose(1, 2)).softmax(-1)  # [n_kv, group, keys]
+            out[0, :, seg.offset + j] = torch.matmul(probs, values[0][:, seen]).reshape(n_heads, d)
     return out.transpose(1, 2).flatten(2)

@@ -27,6 +27,7 @@ from torch import nn
 from .. import kernels
 from ..cache.kv_cache import PagedKVCache
 from ..errors import HiSpecError
+from ..decoding.tree import TreeRows
 from ..layers.attention import AttentionMeta, attend, attend_invariant, build_meta
 from ..layers.linear import FusedLinear, in_row_chunks
 
@@ -166,9 +167,11 @@ class DecoderModel(ABC):
         """The final norm (with ``params`` if given, else the base's) and any projection to the LM head."""
 
     # -- shared ---------------------------------------------------------------------------
-    def meta(self, cache: PagedKVCache, spans: list[tuple[int, int, int]]) -> AttentionMeta:
-        """Metadata of one packed call: ``spans`` holds ``(seq_id, start, num_new)`` per sequence."""
-        return build_meta(cache, spans)
+    def meta(self, cache: PagedKVCache, spans: list[tuple[int, int, int]],
+             trees: list[TreeRows | None] | None = None) -> AttentionMeta:
+        """Metadata of one packed call: ``spans`` holds ``(seq_id, start, num_new)`` per sequence,
+        ``trees`` its draft tree's rows where it has one."""
+        return build_meta(cache, spans, trees)
 
     def cached_block(self, k: LayerKernels, h: torch.Tensor, meta: AttentionMeta, cache: PagedKVCache,
                      cache_layer: int) -> torch.Tensor:

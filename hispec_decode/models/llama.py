@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..decoding.tree import TreeRows
 from ..layers.attention import AttentionMeta
 from ..cache.kv_cache import PagedKVCache
 from .base import AttentionFn, DecoderModel, LayerKernels, module_linears
@@ -42,8 +43,9 @@ class LlamaModel(DecoderModel):
             self._rope = (cos[:, None], sin[:, None])
         return self._rope
 
-    def meta(self, cache: PagedKVCache, spans: list[tuple[int, int, int]]) -> AttentionMeta:
-        meta = super().meta(cache, spans)
+    def meta(self, cache: PagedKVCache, spans: list[tuple[int, int, int]],
+             trees: list[TreeRows | None] | None = None) -> AttentionMeta:
+        meta = super().meta(cache, spans, trees)
         if self._static_rope:
             cos, sin = self.rope_table(max(start + n for _, start, n in spans))
             idx = meta.contiguous_positions or meta.positions

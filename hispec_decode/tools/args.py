@@ -91,6 +91,9 @@ VARIANTS = {
     "full_vocab": {"use_exit_vocab": False},
     "invariant": {},  # on the batch-invariant model (see ModelVariants)
     "gumbel": {"drafter_invariant": True},  # drafter-invariant sampling (with --sample)
+    "chain": {"tree": "chain"},  # the tuned policy, drafting a single chain
+    "static": {"tree": "static", "tree_nodes": 10, "tree_width": 4, "num_draft": 4},  # a Medusa/EAGLE-1-style static tree
+    "dynamic": {"tree": "dynamic", "tree_nodes": 10, "tree_width": 4, "num_draft": 4},  # EAGLE-2's dynamic tree
 }
 
 
@@ -113,7 +116,9 @@ def method_variant(spec: str) -> dict[str, Any]:
     set the batched verification schedule, ``full_vocab`` makes early exits ignore the heads'
     reduced vocabularies, ``paper`` is the paper's fixed policy (N_i = 4, k_d = 2, no confidence
     gates), ``fixed`` the best fixed policy of the sweep (k = 1, N_i = 2, no gates), ``invariant``
-    runs on the batch-invariant model, ``gumbel`` samples drafter-invariantly."""
+    runs on the batch-invariant model, ``gumbel`` samples drafter-invariantly, ``chain`` drafts a
+    single chain under the tuned policy, ``static`` and ``dynamic`` draft a token tree of 10 nodes,
+    width 4, depth 4 (the tuned policy's exits and gates)."""
     method, _, variant = spec.partition(":")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} in {spec!r}; choose from {', '.join(METHODS)}")

@@ -206,8 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated methods, each optionally METHOD:VARIANT: full_vocab (early exits ignore the "
                         "heads' reduced vocabulary), eager or gather (batched verification schedule), paper (N_i=4, "
-                        "k_d=2, no confidence gates), fixed (k=1, N_i=2, no gates); plain hispec/self_spec use the "
-                        "adapter's tuned policy")
+                        "k_d=2, no confidence gates), fixed (k=1, N_i=2, no gates), chain (the tuned policy drafting a "
+                        "chain), static or dynamic (a token tree of 10 nodes, width 4, depth 4); plain hispec/self_spec "
+                        "use the adapter's tuned policy")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--num-prompts", type=positive_int, default=len(CHAT_PROMPTS))
     p.add_argument("--prompts", default="builtin", choices=PROMPT_SETS,

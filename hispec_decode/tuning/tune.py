@@ -6,8 +6,10 @@
 3. Search: every configuration of a grid (exit layers among the adapter's heads, ``num_draft``,
    ``window``, both thresholds) is replayed on the traces under the cost model, which predicts
    its tokens per second.
-4. Confirmation: the best few, the best ``self_spec``, the paper's fixed policy and plain decoding
-   decode the prompts for real, side by side; the best measured ``hispec`` policy wins.
+4. Confirmation: the best few, the best ``self_spec``, the paper's fixed policy, token-tree
+   policies (:data:`TREES` on the best chain's exits, with the middle level pruning and off: trees
+   are not replayed, they are measured) and plain decoding decode the prompts for real, side by
+   side; the best measured ``hispec`` policy wins.
 5. Batch: from the measured costs, the acceptance a speculated token needs to pay for its rows
    in a batch of B sequences; above what the exits ever reach, the policy stops speculating.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -34,6 +36,8 @@ SPECULATION_OFF = 1.5  # a threshold above 1: never speculate
 DRAFT_THRESHOLDS = (0.0, 0.4, 0.6, 0.8, 0.95, SPECULATION_OFF)
 VERIFY_THRESHOLDS = (0.0, 0.2, 0.4, 0.6, 0.8, SPECULATION_OFF)
 PAPER = {"window": 4, "num_draft": 2, "draft_threshold": 0.0, "verify_threshold": 0.0}  # N_i = 4, k_d = 2
+# (tree, nodes, width, depth) confirmed by decoding on the best chain's exits, L_i pruning and off
+TREES = (("dynamic", 6, 3, 3), ("dynamic", 10, 4, 4), ("dynamic", 16, 4, 5), ("static", 10, 4, 4))
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,15 @@ class Candidate:
         p = self.policy
         return {"method": self.method, "draft_layer": p.draft_layer, "verify_layer": p.verify_layer,
                 "window": p.window, "num_draft": p.num_draft, "draft_threshold": p.draft_threshold,
-                "verify_threshold": p.verify_threshold, "batch_aware": False}
+                "verify_threshold": p.verify_threshold, "tree": p.tree, "tree_nodes": p.tree_nodes,
+                "tree_width": p.tree_width, "batch_aware": False}
 
     def label(self) -> str:
         p = self.policy
+        if p.tree != "chain":
+            middle = "no middle level" if p.verify_layer >= self.num_layers else f"L{p.verify_layer} prunes, N_i<={p.window}"
+            return (f"{self.method} L{p.draft_layer} {p.tree} tree <={p.tree_nodes} nodes, width {p.tree_width}, depth "
+                    f"{p.num_draft}, {middle}, tau_d={p.draft_threshold:g} tau_v={p.verify_threshold:g}")
         if self.method == "hispec" and self.num_layers and p.verify_layer >= self.num_layers:
             return f"hispec L{p.draft_layer}/L{p.verify_layer}: no middle level, k<={p.num_draft} tau_d={p.draft_threshold:g}"
         if self.method == "hispec":
@@ -130,14 +139,25 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
     off = Candidate("hispec", Policy(d, i, 1, 1, SPECULATION_OFF, SPECULATION_OFF))  # plain decoding through the bands
     if off not in best_hispec:  # always measured: where nothing pays, the policy stops speculating
         best_hispec.append(off)
-    confirmed = confirm_by_decoding(model, prompts, max_new_tokens, [*best_hispec, best_self, paper])
+    chain = best_hispec[0].policy
+    trees = [Candidate("hispec", replace(chain, tree=kind, tree_nodes=nodes, tree_width=width, num_draft=depth,
+                                         **({"verify_layer": n, "window": 1} if off else {})), n)
+             for kind, nodes, width, depth in TREES for off in (False, True)]
+    if chain.verify_layer >= n:  # the best chain has no middle level: pair its draft exit with the next head
+        trees = [c for c in trees if c.policy.verify_layer >= n]
+    confirmed = confirm_by_decoding(model, prompts, max_new_tokens, [*best_hispec, *trees, best_self, paper])
     predicted = dict((c.label(), s) for c, s in scored)
-    chosen = max(best_hispec, key=lambda c: confirmed[c.label()])
-    chosen_self = best_self
+    chosen = max([*best_hispec, *trees], key=lambda c: confirmed[c.label()])
+    no_middle = [c for c in trees if c.policy.verify_layer >= n]
+    best_tree_off = max(no_middle, key=lambda c: confirmed[c.label()]) if no_middle else None
+    chosen_self = (best_self if best_tree_off is None or confirmed[best_self.label()] >= confirmed[best_tree_off.label()]
+                   else Candidate("self_spec", best_tree_off.policy))
     cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
     thresholds = batch_thresholds(costs, n, cap, chosen.policy.draft_layer)
     rows = [{"config": c.label(), "predicted_tokens_per_second": round(predicted[c.label()]["tokens_per_second"], 2),
              "measured_tokens_per_second": round(confirmed[c.label()], 2)} for c in [*best_hispec, best_self, paper]]
+    rows += [{"config": c.label(), "predicted_tokens_per_second": None,  # trees are measured, not replayed
+              "measured_tokens_per_second": round(confirmed[c.label()], 2)} for c in trees]
     rows.append({"config": "autoregressive", "predicted_tokens_per_second": round(ar_predicted, 2),
                  "measured_tokens_per_second": round(confirmed["autoregressive"], 2)})
     report = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "confirmed": rows, "chosen": chosen.label(),
@@ -145,6 +165,7 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
               "costs": costs.to_dict(), "precision_at_0.9": cap, "tuned_on": time.strftime("%Y-%m-%d")}
     self_spec = {k: v for k, v in _policy_dict(chosen_self.policy).items() if k not in ("verify_layer", "window",
                                                                                        "verify_threshold")}
+    report["chosen_self_spec"] = chosen_self.label()
     return {"hispec": _policy_dict(chosen.policy) | {"batch_thresholds": thresholds},
             "self_spec": self_spec | {"batch_thresholds": thresholds}, "measurements": report}
 

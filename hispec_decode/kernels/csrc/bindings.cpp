@@ -7,6 +7,7 @@ bool amx_available();
 torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                               const torch::Tensor& seq, const torch::Tensor& len, const torch::Tensor& lo,
+                              const torch::Tensor& tree_base, const torch::Tensor& tree_mask,
                               const torch::Tensor& tables, int64_t block_size, double scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 std::vector<torch::Tensor> rope(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& cos,

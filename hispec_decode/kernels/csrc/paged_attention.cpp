@@ -1,7 +1,9 @@
 // Attention of query rows over their own sequence's paged K/V, all rows of a pass in one call.
 //
 // Row r belongs to sequence seq[r] (its block table: tables[seq[r]]) and sees keys lo[r] .. len[r]-1
-// (causal: len = its position + 1; a sliding window raises lo). Every (row, K/V head) pair is one
+// (causal: len = its slot + 1; a sliding window raises lo). A row of a draft tree sees, of the slots from
+// tree_base[r] on (the tree's nodes), only those whose entry in its row of tree_mask is set (its ancestors and
+// itself); rows outside a tree have tree_base = len, so nothing is masked. Every (row, K/V head) pair is one
 // task: its query heads' scores in float32, a softmax, the weighted sum of values in float32, one
 // rounding to the output dtype. Nothing a row computes depends on the other rows of the call or
 // on how many there are, so the batch-invariant mode uses this kernel as it is.
@@ -58,14 +60,15 @@ inline void accumulate_avx512(const float* w, int64_t stride, const KV* v, int64
 
 template <typename Q, typename KV>
 void attend_rows(const Q* q, const KV* keys, const KV* values, const int64_t* seq, const int64_t* len, const int64_t* lo,
-                 const int32_t* tables, int64_t max_blocks, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d,
+                 const int64_t* tree_base, const uint8_t* tree_mask, int64_t tree_width, const int32_t* tables, int64_t max_blocks, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d,
                  int64_t pool_slots, int64_t block_size, float scale, Q* out) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(group * d), acc(group * d);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
-      const int64_t first = lo[r], n = len[r] - lo[r];
+      const int64_t first = lo[r], n = len[r] - lo[r], tb = tree_base[r];
+      const uint8_t* visible = tree_mask + r * tree_width;  // visible[p - tb] for tree slots p >= tb
       const int32_t* table = tables + seq[r] * max_blocks;
       const KV* K = keys + h * pool_slots * d;
       const KV* V = values + h * pool_slots * d;
@@ -77,6 +80,10 @@ void attend_rows(const Q* q, const KV* keys, const KV* values, const int64_t* se
 #endif
       for (int64_t j = 0; j < n; ++j) {
         const int64_t p = first + j;
+        if (p >= tb && !visible[p - tb]) {  // another branch of the tree
+          for (int64_t g = 0; g < group; ++g) scores[g * n + j] = -INFINITY;
+          continue;
+        }
         const KV* k = K + (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * d;
 #if defined(__AVX512F__)
         if constexpr (kVector<KV>) {
@@ -108,6 +115,7 @@ void attend_rows(const Q* q, const KV* keys, const KV* values, const int64_t* se
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
         const int64_t p = first + j;
+        if (p >= tb && !visible[p - tb]) continue;
         const KV* v = V + (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * d;
 #if defined(__AVX512F__)
         if constexpr (kVector<KV>) {
@@ -133,15 +141,20 @@ void attend_rows(const Q* q, const KV* keys, const KV* values, const int64_t* se
 }  // namespace
 
 // q: [heads, rows, d] (rope's output layout); keys/values: [kv_heads, slots, d] pools; seq/len/lo: [rows] int64;
-// tables: [sequences, max_blocks] int32. Returns [rows, heads * d] in q's dtype.
+// tree_base: [rows] int64; tree_mask: [rows, width] uint8; tables: [sequences, max_blocks] int32.
+// Returns [rows, heads * d] in q's dtype.
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                               const torch::Tensor& seq, const torch::Tensor& len, const torch::Tensor& lo,
+                              const torch::Tensor& tree_base, const torch::Tensor& tree_mask,
                               const torch::Tensor& tables, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_attention: q must be a contiguous [heads, rows, d]");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes(), "paged_attention: pools");
   TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous(), "paged_attention: int32 tables");
   TORCH_CHECK(seq.scalar_type() == at::kLong && len.scalar_type() == at::kLong && lo.scalar_type() == at::kLong,
               "paged_attention: int64 rows");
+  TORCH_CHECK(tree_base.scalar_type() == at::kLong && tree_mask.scalar_type() == at::kByte && tree_mask.dim() == 2 &&
+                  tree_mask.is_contiguous() && tree_mask.size(0) == q.size(1) && tree_base.size(0) == q.size(1),
+              "paged_attention: tree_base [rows] int64 and tree_mask [rows, width] uint8");
   const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2), kv_heads = keys.size(0);
   TORCH_CHECK(heads % kv_heads == 0 && keys.size(2) == d, "paged_attention: head shapes");
   auto out = torch::empty({rows, heads * d}, q.options());
@@ -150,6 +163,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& keys,
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "paged_attention_kv", [&] {
       attend_rows<Q, scalar_t>(q.data_ptr<Q>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
                                seq.data_ptr<int64_t>(), len.data_ptr<int64_t>(), lo.data_ptr<int64_t>(),
+                               tree_base.data_ptr<int64_t>(), tree_mask.data_ptr<uint8_t>(), tree_mask.size(1),
                                tables.data_ptr<int32_t>(), tables.size(1), rows, heads, kv_heads, d, keys.size(1),
                                block_size, static_cast<float>(scale), out.data_ptr<Q>());
     });
