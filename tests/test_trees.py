@@ -17,7 +17,6 @@ from hispec_decode import HiSpecAdapter, HiSpecModel
 from hispec_decode.adapter import ExitSpec
 from hispec_decode.decoding.sampling import SamplingParams, TokenSampler
 from hispec_decode.decoding.tree import DraftTree, static_shape
-from hispec_decode.engine.model_runner import ModelRunner  # noqa: F401  (the runner the engine drives)
 from hispec_decode.engine.sequence import BandRequest, Sequence
 
 from conftest import (ARCHS, BATCH_PROMPTS, LAYERS, SAMPLE_PROMPT, chi_square, chi_square_critical,

@@ -214,14 +214,19 @@ class TokenSampler:
         ``positions[i]``: each row's ``k`` most likely tokens with their probabilities (warped when
         sampling), most likely first; in the drafter-invariant mode ranked by the Gumbel-perturbed
         score of the position, so the first is the token a chain would draft."""
-        probs = logits.float().softmax(-1) if self.greedy else self.probs(logits)
-        k = min(k, probs.shape[-1])
-        if self.gumbel:
-            order = torch.stack([(row.double().log() + self.noise(pos, probs.shape[-1])).topk(k).indices
-                                 for row, pos in zip(probs, positions)])
+        k = min(k, logits.shape[-1])
+        if self.greedy:  # the top logits and their probabilities, without a softmax over the vocabulary
+            x = logits.float()
+            values, order = x.topk(k, dim=-1)
+            top = (values - x.logsumexp(-1, keepdim=True)).exp()
         else:
-            order = probs.topk(k, dim=-1).indices
-        top = probs.gather(-1, order)
+            probs = self.probs(logits)
+            if self.gumbel:
+                order = torch.stack([(row.double().log() + self.noise(pos, probs.shape[-1])).topk(k).indices
+                                     for row, pos in zip(probs, positions)])
+            else:
+                order = probs.topk(k, dim=-1).indices
+            top = probs.gather(-1, order)
         return [[(t, q) for t, q in zip(ts, qs) if q > 0] for ts, qs in zip(order.tolist(), top.tolist())]
 
     def verify_tree(self, tree: DraftTree, target_logits: torch.Tensor) -> TreeVerdict:

@@ -117,25 +117,29 @@ class ModelRunner:
             st.context.keep_final(p, state)
 
     def _context_transform(self, layer: int, seqs: list[Sequence], rows: list[torch.Tensor]) -> torch.Tensor:
-        """A deep-context head's transform of each sequence's newest rows ([1, n_i, hidden] each),
-        in slot order: a row whose previous position (a tree node's: its parent) has no known state
-        yet reads the output this head just computed there. Returns [1, sum n_i, hidden] in request order."""
+        """A deep-context head's transform of each sequence's newest rows ([1, n_i, hidden] each). A
+        row whose previous position (a tree node's: its parent) is among the rows of this call reads
+        the output the head computes there, so rows run in waves: each wave, every row whose previous
+        state is known, all in one batched call (one wave when checking a tree level or a single row).
+        Returns [1, sum n_i, hidden] in request order."""
         head = self.heads[layer]
-        size = head.context_size
-        outs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for j in range(max(r.shape[1] for r in rows)):
-            members = [k for k, r in enumerate(rows) if r.shape[1] > j]
-            positions = [len(seqs[k].tokens) - rows[k].shape[1] + j for k in members]
-            h = torch.cat([rows[k][:, j : j + 1] for k in members], dim=1)  # [1, m, hidden]
-            zero = h.new_zeros(size)
-            ctx = torch.stack([c if (c := seqs[k].context.context_at(layer, seqs[k].previous(p))) is not None else zero
-                               for k, p in zip(members, positions)])[None]  # [1, m, C]
-            x = self.decoder.rowwise(head.transform, h, ctx)
+        items = [(k, j, len(seqs[k].tokens) - r.shape[1] + j) for k, r in enumerate(rows) for j in range(r.shape[1])]
+        pending = {(k, slot) for k, _, slot in items}
+        out: dict[tuple[int, int], torch.Tensor] = {}
+        zero = rows[0].new_zeros(head.context_size)
+        while pending:
+            wave = [(k, j, slot) for k, j, slot in items
+                    if (k, slot) in pending and (k, seqs[k].previous(slot)) not in pending]
+            h = torch.cat([rows[k][:, j : j + 1] for k, j, _ in wave], dim=1)  # [1, m, hidden]
+            ctx = torch.stack([c if (c := seqs[k].context.context_at(layer, seqs[k].previous(slot))) is not None
+                               else zero for k, _, slot in wave])[None]  # [1, m, C]
+            x = head.decode_transform(h, ctx, self.decoder)
             own = self.decoder.rowwise(lambda y: head.context_of(y, self.decoder), x)[0]  # [m, C]
-            for r, (k, p) in enumerate(zip(members, positions)):
-                seqs[k].context.keep_own(layer, p, own[r].clone())
-                outs[k].append(x[:, r : r + 1])
-        return torch.cat([t for per_seq in outs for t in per_seq], dim=1)
+            for r, (k, j, slot) in enumerate(wave):
+                seqs[k].context.keep_own(layer, slot, own[r].clone())
+                out[k, j] = x[:, r : r + 1]
+                pending.discard((k, slot))
+        return torch.cat([out[k, j] for k, j, _ in items], dim=1)
 
     def _logits(self, requests: list[BandRequest], at_top: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """One exit call per exit layer over the requested rows of every sequence."""

@@ -183,6 +183,7 @@ class DeepContextHead(ExitHead):
         self.ctx = nn.Linear(self.context_size, hidden_size, bias=False)
         nn.init.zeros_(self.proj.weight)
         nn.init.zeros_(self.ctx.weight)
+        self._packed: tuple[tuple, Any] | None = None  # see decode_transform
 
     def options(self) -> dict[str, Any]:
         return {"context_size": self.context_size}
@@ -190,6 +191,19 @@ class DeepContextHead(ExitHead):
     def transform(self, h: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         out = h + self.proj(h)
         return out if context is None else out + self.ctx(context.to(out.dtype))
+
+    def decode_transform(self, h: torch.Tensor, context: torch.Tensor, decoder: DecoderModel) -> torch.Tensor:
+        """:meth:`transform` for decoding: ``h + [W U] [h; c]`` as one packed linear of the decoder
+        (AMX for bf16 on CPU, row-independent in the batch-invariant mode), rebuilt whenever the
+        weights have changed since (training in the same process)."""
+        key = (decoder, self.proj.weight._version, self.ctx.weight._version, self.proj.weight.data_ptr())
+        if self._packed is None or self._packed[0] != key:
+            fused = nn.Linear(self.hidden_size + self.context_size, self.hidden_size, bias=False,
+                              device=self.proj.weight.device, dtype=self.proj.weight.dtype)
+            with torch.no_grad():
+                fused.weight.copy_(torch.cat([self.proj.weight, self.ctx.weight], dim=1))
+            self._packed = (key, decoder.linear(fused.requires_grad_(False)))
+        return h + self._packed[1](torch.cat([h, context.to(h.dtype)], dim=-1))
 
     def context_of(self, x: torch.Tensor, decoder: DecoderModel) -> torch.Tensor:
         """This head's estimate of the normed final state, from its transformed output ``x``."""

@@ -13,10 +13,12 @@ import typing
 from typing import Any
 
 from ..config import METHODS, SCHEDULES, SpeculativeConfig
+from ..decoding.tree import TREE_KINDS
 
-POLICY_ARGS = ("draft_layer", "verify_layer", "window", "num_draft")  # the SpeculativeConfig fields benchmarks take
+POLICY_ARGS = ("draft_layer", "verify_layer", "window", "num_draft", "tree", "tree_nodes",
+               "tree_width")  # the SpeculativeConfig fields benchmarks take
 SAMPLING_ARGS = ("do_sample", "temperature", "top_k", "top_p", "seed")  # the SamplingParams fields benchmarks take
-CHOICES = {"method": METHODS, "schedule": SCHEDULES}
+CHOICES = {"method": METHODS, "schedule": SCHEDULES, "tree": TREE_KINDS}
 ALIASES = {"do_sample": ["--sample"]}  # the name this CLI had before options came from the config
 
 
@@ -92,8 +94,8 @@ VARIANTS = {
     "invariant": {},  # on the batch-invariant model (see ModelVariants)
     "gumbel": {"drafter_invariant": True},  # drafter-invariant sampling (with --sample)
     "chain": {"tree": "chain"},  # the tuned policy, drafting a single chain
-    "static": {"tree": "static", "tree_nodes": 10, "tree_width": 4, "num_draft": 4},  # a Medusa/EAGLE-1-style static tree
-    "dynamic": {"tree": "dynamic", "tree_nodes": 10, "tree_width": 4, "num_draft": 4},  # EAGLE-2's dynamic tree
+    "static": {"tree": "static", "tree_nodes": 5, "tree_width": 4, "num_draft": 2},  # a Medusa/EAGLE-1-style static tree
+    "dynamic": {"tree": "dynamic", "tree_nodes": 6, "tree_width": 3, "num_draft": 2},  # EAGLE-2's dynamic tree
 }
 
 
@@ -117,8 +119,8 @@ def method_variant(spec: str) -> dict[str, Any]:
     reduced vocabularies, ``paper`` is the paper's fixed policy (N_i = 4, k_d = 2, no confidence
     gates), ``fixed`` the best fixed policy of the sweep (k = 1, N_i = 2, no gates), ``invariant``
     runs on the batch-invariant model, ``gumbel`` samples drafter-invariantly, ``chain`` drafts a
-    single chain under the tuned policy, ``static`` and ``dynamic`` draft a token tree of 10 nodes,
-    width 4, depth 4 (the tuned policy's exits and gates)."""
+    single chain under the tuned policy, ``static`` draws a fixed tree of 5 nodes (width 4, depth 2),
+    ``dynamic`` EAGLE-2's tree of 6 nodes (width 3, depth 2), on the tuned policy's exits and gates."""
     method, _, variant = spec.partition(":")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} in {spec!r}; choose from {', '.join(METHODS)}")

@@ -207,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated methods, each optionally METHOD:VARIANT: full_vocab (early exits ignore the "
                         "heads' reduced vocabulary), eager or gather (batched verification schedule), paper (N_i=4, "
                         "k_d=2, no confidence gates), fixed (k=1, N_i=2, no gates), chain (the tuned policy drafting a "
-                        "chain), static or dynamic (a token tree of 10 nodes, width 4, depth 4); plain hispec/self_spec "
-                        "use the adapter's tuned policy")
+                        "chain), static (a fixed tree of 5 nodes, width 4, depth 2) or dynamic (EAGLE-2's tree of 6 "
+                        "nodes, width 3, depth 2); plain hispec/self_spec use the adapter's tuned policy")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--num-prompts", type=positive_int, default=len(CHAT_PROMPTS))
     p.add_argument("--prompts", default="builtin", choices=PROMPT_SETS,

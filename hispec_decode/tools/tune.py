@@ -75,8 +75,13 @@ def _run(args: argparse.Namespace) -> int:
         config.policy[str(model.decoder.dtype).removeprefix("torch.")] = results[dtype]
         config.save_pretrained(heads)
         for row in results[dtype]["measurements"]["confirmed"]:
-            print(f"{dtype:9} {row['config']:60} predicted {row['predicted_tokens_per_second']:7.1f} tok/s, "
+            predicted = row["predicted_tokens_per_second"]
+            predicted = "    (not replayed)" if predicted is None else f"{predicted:7.1f} tok/s"
+            print(f"{dtype:9} {row['config']:60} predicted {predicted}, "
                   f"measured {row['measured_tokens_per_second']:7.1f} tok/s")
+        for row in results[dtype]["measurements"].get("batched", []):
+            print(f"{dtype:9} batch {row['batch_size']:2}: {row['ratio_to_autoregressive']:.2f}x plain decoding, "
+                  f"speculation {row['speculation']}")
         print(f"{dtype}: hispec policy {results[dtype]['hispec']}")
     update_model_card(heads)
     if args.json is not None:
@@ -153,7 +158,7 @@ def report_markdown(results: dict) -> str:
         lines += [f"## {dtype}", "", f"{m['prompts']} calibration prompts, {m['max_new_tokens']} new tokens, "
                   f"tuned on {m['tuned_on']}.", "",
                   "| configuration | predicted tok/s | measured tok/s |", "|---|---|---|"]
-        lines += [f"| {r['config']} | {r['predicted_tokens_per_second']:.1f} | {r['measured_tokens_per_second']:.1f} |"
+        lines += [f"| {r['config']} | {_number(r['predicted_tokens_per_second'])} | {r['measured_tokens_per_second']:.1f} |"
                   for r in m["confirmed"]]
         chosen = {k: v for k, v in result["hispec"].items() if k != "batch_thresholds"}
         lines += ["", f"Chosen `hispec` policy: `{chosen}`", "",
@@ -164,8 +169,16 @@ def report_markdown(results: dict) -> str:
                   "| threshold | " + " | ".join(f"{v:g}" for v in result["hispec"]["batch_thresholds"].values()) + " |",
                   "", "Best predicted configurations:", "", "| configuration | predicted tok/s |", "|---|---|"]
         lines += [f"| {r['config']} | {r['tokens_per_second']:.1f} |" for r in m["top_predicted"]]
+        if m.get("batched"):
+            lines += ["", "Batches decoded beside plain decoding (the prompts repeated):", "",
+                      "| batch | x plain decoding | speculation |", "|---|---|---|"]
+            lines += [f"| {r['batch_size']} | {r['ratio_to_autoregressive']:.2f} | {r['speculation']} |" for r in m["batched"]]
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _number(x: float | None) -> str:
+    return "not replayed" if x is None else f"{x:.1f}"
 
 
 if __name__ == "__main__":

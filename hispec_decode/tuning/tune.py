@@ -12,6 +12,8 @@
    side; the best measured ``hispec`` policy wins.
 5. Batch: from the measured costs, the acceptance a speculated token needs to pay for its rows
    in a batch of B sequences; above what the exits ever reach, the policy stops speculating.
+   Then the chosen policy decodes batches of each size of :data:`CONFIRM_BATCHES` beside plain
+   decoding; from the first size where it is slower, it does not speculate at all.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ DRAFT_THRESHOLDS = (0.0, 0.4, 0.6, 0.8, 0.95, SPECULATION_OFF)
 VERIFY_THRESHOLDS = (0.0, 0.2, 0.4, 0.6, 0.8, SPECULATION_OFF)
 PAPER = {"window": 4, "num_draft": 2, "draft_threshold": 0.0, "verify_threshold": 0.0}  # N_i = 4, k_d = 2
 # (tree, nodes, width, depth) confirmed by decoding on the best chain's exits, L_i pruning and off
-TREES = (("dynamic", 6, 3, 3), ("dynamic", 10, 4, 4), ("dynamic", 16, 4, 5), ("static", 10, 4, 4))
+TREES = (("static", 4, 4, 1), ("static", 5, 4, 2), ("dynamic", 6, 3, 2), ("dynamic", 6, 3, 3), ("dynamic", 10, 4, 3))
+CONFIRM_BATCHES = (2, 4, 8, 16)  # batch sizes where the chosen policy is decoded beside plain decoding
 
 
 @dataclass(frozen=True)
@@ -140,11 +143,14 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
     if off not in best_hispec:  # always measured: where nothing pays, the policy stops speculating
         best_hispec.append(off)
     chain = best_hispec[0].policy
+    # trees with the middle level on: on the best replayed chain that has one (whatever the best chain is)
+    middle = next((c.policy for c, _ in scored if c.method == "hispec" and c.policy.verify_layer < n), None)
     trees = [Candidate("hispec", replace(chain, tree=kind, tree_nodes=nodes, tree_width=width, num_draft=depth,
-                                         **({"verify_layer": n, "window": 1} if off else {})), n)
-             for kind, nodes, width, depth in TREES for off in (False, True)]
-    if chain.verify_layer >= n:  # the best chain has no middle level: pair its draft exit with the next head
-        trees = [c for c in trees if c.policy.verify_layer >= n]
+                                         verify_layer=n, window=1, verify_threshold=0.0), n)
+             for kind, nodes, width, depth in TREES]
+    if middle is not None:
+        trees += [Candidate("hispec", replace(middle, tree=kind, tree_nodes=nodes, tree_width=width, num_draft=depth), n)
+                  for kind, nodes, width, depth in TREES]
     confirmed = confirm_by_decoding(model, prompts, max_new_tokens, [*best_hispec, *trees, best_self, paper])
     predicted = dict((c.label(), s) for c, s in scored)
     chosen = max([*best_hispec, *trees], key=lambda c: confirmed[c.label()])
@@ -154,6 +160,7 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
                    else Candidate("self_spec", best_tree_off.policy))
     cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
     thresholds = batch_thresholds(costs, n, cap, chosen.policy.draft_layer)
+    thresholds, batched = confirm_batches(model, prompts, max_new_tokens, chosen, thresholds)
     rows = [{"config": c.label(), "predicted_tokens_per_second": round(predicted[c.label()]["tokens_per_second"], 2),
              "measured_tokens_per_second": round(confirmed[c.label()], 2)} for c in [*best_hispec, best_self, paper]]
     rows += [{"config": c.label(), "predicted_tokens_per_second": None,  # trees are measured, not replayed
@@ -162,12 +169,60 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
                  "measured_tokens_per_second": round(confirmed["autoregressive"], 2)})
     report = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "confirmed": rows, "chosen": chosen.label(),
               "top_predicted": [{"config": c.label(), **{k: round(v, 3) for k, v in s.items()}} for c, s in scored[:10]],
-              "costs": costs.to_dict(), "precision_at_0.9": cap, "tuned_on": time.strftime("%Y-%m-%d")}
+              "costs": costs.to_dict(), "precision_at_0.9": cap, "batched": batched,
+              "tuned_on": time.strftime("%Y-%m-%d")}
     self_spec = {k: v for k, v in _policy_dict(chosen_self.policy).items() if k not in ("verify_layer", "window",
                                                                                        "verify_threshold")}
     report["chosen_self_spec"] = chosen_self.label()
     return {"hispec": _policy_dict(chosen.policy) | {"batch_thresholds": thresholds},
             "self_spec": self_spec | {"batch_thresholds": thresholds}, "measurements": report}
+
+
+def confirm_batches(model: Any, prompts: list[list[int]], max_new_tokens: int, chosen: Candidate,
+                    thresholds: dict[str, float]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Decode a batch of each size in :data:`CONFIRM_BATCHES` (the prompts repeated) with plain decoding
+    and with ``chosen`` under ``thresholds``, in alternating order; from the first size where speculation
+    is slower, it is switched off (:data:`SPECULATION_OFF`) at that size and every bigger one."""
+    rows, off = [], False
+    for b in CONFIRM_BATCHES:
+        if off:
+            thresholds[str(b)] = SPECULATION_OFF
+            continue
+        batch = [prompts[i % len(prompts)] for i in range(b)]
+        policy = replace(chosen.policy, batch_thresholds=tuple(sorted((int(k), v) for k, v in thresholds.items())))
+        times = {"autoregressive": 0.0, "speculative": 0.0}
+        tokens = dict.fromkeys(times, 0)
+        for label in ("autoregressive", "speculative", "speculative", "autoregressive"):
+            got, seconds = _decode(model, batch, max_new_tokens, "autoregressive" if label == "autoregressive"
+                                   else chosen.method, None if label == "autoregressive" else policy)
+            times[label] += seconds
+            tokens[label] += got
+        ratio = (tokens["speculative"] / times["speculative"]) / (tokens["autoregressive"] / times["autoregressive"])
+        off = ratio < 1.0
+        if off:
+            thresholds[str(b)] = SPECULATION_OFF
+        rows.append({"batch_size": b, "ratio_to_autoregressive": round(ratio, 3), "speculation": "off" if off else "on"})
+        logger.info("batch %d: %.2fx plain decoding%s", b, ratio, " -> speculation off from here" if off else "")
+    return thresholds, rows
+
+
+def _decode(model: Any, prompts: list[list[int]], max_new_tokens: int, method: str,
+            policy: Policy | None = None) -> tuple[int, float]:
+    """Tokens and seconds of decoding ``prompts`` as one batch under ``policy`` (default: the method's)."""
+    from ..config import EngineConfig, SpeculativeConfig
+    from ..engine.llm_engine import LLMEngine
+    from ..sampling_params import SamplingParams
+
+    spec = SpeculativeConfig(method=method)
+    blocks = sum(-(-(len(p) + max_new_tokens) // 16) for p in prompts)
+    engine = LLMEngine(model.runner, spec, policy or model.policy(spec), EngineConfig(num_blocks=blocks),
+                       SamplingParams(max_new_tokens=max_new_tokens))
+    for p in prompts:
+        engine.add_request(p)
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return sum(len(s.new_tokens) for s in engine.sequences.values()), time.perf_counter() - t0
 
 
 def request_overhead(model: Any, prompts: list[list[int]], max_new_tokens: int, costs: CostModel) -> float:

@@ -12,9 +12,8 @@
 #include <cmath>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include <algorithm>
+#include "vec.h"
 
 namespace {
 
@@ -23,11 +22,7 @@ inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
 inline float to_f(at::Half x) { return static_cast<float>(x); }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted up
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+using hispec::load16;
 template <typename KV>
 constexpr bool kVector = std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16>;
 
@@ -58,18 +53,50 @@ inline void accumulate_avx512(const float* w, int64_t stride, const KV* v, int64
 }
 #endif
 
+// In place: x[0..n) -> softmax(x), in float32 (exp 16 lanes at a time where AVX-512 is there).
+inline void softmax(float* x, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, x[j]);
+  float sum = 0.f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 total = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = hispec::exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), _mm512_set1_ps(mx)));
+    _mm512_storeu_ps(x + j, e);
+    total = _mm512_add_ps(total, e);
+  }
+  sum = _mm512_reduce_add_ps(total);
+#endif
+  for (; j < n; ++j) {
+    x[j] = std::exp(x[j] - mx);
+    sum += x[j];
+  }
+  const float inv = 1.f / sum;
+  for (j = 0; j < n; ++j) x[j] *= inv;
+}
+
 template <typename Q, typename KV>
 void attend_rows(const Q* q, const KV* keys, const KV* values, const int64_t* seq, const int64_t* len, const int64_t* lo,
-                 const int64_t* tree_base, const uint8_t* tree_mask, int64_t tree_width, const int32_t* tables, int64_t max_blocks, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d,
-                 int64_t pool_slots, int64_t block_size, float scale, Q* out) {
+                 const int64_t* tree_base, const uint8_t* tree_mask, int64_t tree_width, const int32_t* tables,
+                 int64_t max_blocks, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, int64_t pool_slots,
+                 int64_t block_size, float scale, Q* out) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(group * d), acc(group * d);
+    std::vector<int64_t> slots;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
-      const int64_t first = lo[r], n = len[r] - lo[r], tb = tree_base[r];
+      const int64_t first = lo[r], last = len[r], tb = tree_base[r];
       const uint8_t* visible = tree_mask + r * tree_width;  // visible[p - tb] for tree slots p >= tb
       const int32_t* table = tables + seq[r] * max_blocks;
+      slots.clear();  // the pool slots this row sees, in position order (block by block: no division per key)
+      for (int64_t b = first / block_size; b * block_size < last; ++b) {
+        const int64_t start = b * block_size, base = static_cast<int64_t>(table[b]) * block_size - start;
+        for (int64_t p = std::max(first, start), stop = std::min(last, start + block_size); p < stop; ++p)
+          if (p < tb || visible[p - tb]) slots.push_back(base + p);
+      }
+      const int64_t n = static_cast<int64_t>(slots.size());
       const KV* K = keys + h * pool_slots * d;
       const KV* V = values + h * pool_slots * d;
       scores.resize(group * n);
@@ -79,12 +106,7 @@ void attend_rows(const Q* q, const KV* keys, const KV* values, const int64_t* se
       const bool vector = kVector<KV> && d % 16 == 0 && d <= 256;
 #endif
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t p = first + j;
-        if (p >= tb && !visible[p - tb]) {  // another branch of the tree
-          for (int64_t g = 0; g < group; ++g) scores[g * n + j] = -INFINITY;
-          continue;
-        }
-        const KV* k = K + (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * d;
+        const KV* k = K + slots[j] * d;
 #if defined(__AVX512F__)
         if constexpr (kVector<KV>) {
           if (vector) {
@@ -100,23 +122,10 @@ void attend_rows(const Q* q, const KV* keys, const KV* values, const int64_t* se
           scores[g * n + j] = s * scale;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sc = scores.data() + g * n;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sc[j]);
-        float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          sc[j] = std::exp(sc[j] - mx);
-          sum += sc[j];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
-      }
+      for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * n, n);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t p = first + j;
-        if (p >= tb && !visible[p - tb]) continue;
-        const KV* v = V + (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * d;
+        const KV* v = V + slots[j] * d;
 #if defined(__AVX512F__)
         if constexpr (kVector<KV>) {
           if (vector) {
