@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .cache.block_manager import DEFAULT_BLOCK_SIZE
-from .decoding.tree import TREE_KINDS
 from .errors import HiSpecError
 from .sampling_params import SamplingParams
 from .validation import as_int, check_bool, check_int, help_text, is_real
 
 METHODS = ("autoregressive", "self_spec", "hispec")
 SCHEDULES = ("eager", "gather")
+TREE_KINDS = ("chain", "static", "dynamic")  # what L_d drafts per round (docs/trees.md)
 DEFAULT_SCHEDULE = "gather"  # measured faster at every batch size from 2 to 16 (docs/batching.md)
 
 

@@ -144,3 +144,19 @@ def test_argmax_matches_torch_with_ties_and_nan(dtype):
     assert got.tolist() == x.argmax(-1).tolist()
     assert got[1] == 7 and got[2] == 300 and got[3] == 0 and got[4] == 49151
     assert K.argmax_rows(x[0]).item() == x[0].argmax().item()
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path):
+    """torch's build lock outlives a killed build; a fresh one (a build running now) stays."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    kernels._clear_stale_lock(tmp_path)
+    assert lock.exists()
+    old = time.time() - kernels.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    kernels._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    kernels._clear_stale_lock(tmp_path)  # no lock: nothing to do

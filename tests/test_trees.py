@@ -84,6 +84,26 @@ def test_batched_and_preempted_trees_match_transformers(arch, hispec_models, ref
             assert small.sequences == want and small.stats["preemptions"] > 0, (level, shape)
 
 
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_trees_stop_at_eos_like_transformers(arch, tiny_models, hispec_models, references):
+    prompt, full = PROMPTS[5], references[arch, 5]
+    for cut in (0, 3, 10):  # EOS as the first, an early and a later token
+        ref = tiny_models[arch].hf_generate(prompt, NEW, eos_token_id=full[cut])
+        for level in ("L_i prunes", "L_i off"):
+            out = hispec_models[arch].generate([prompt], max_new_tokens=NEW, eos_token_id=full[cut], **LEVELS[level],
+                                               **SHAPES["dynamic"])
+            assert out.sequences[0] == ref, (cut, level)
+
+
+def test_tree_policies_are_not_replayed():
+    from hispec_decode.decoding.policy import Policy
+    from hispec_decode.errors import HiSpecError
+    from hispec_decode.tuning.simulate import Trace, replay
+
+    with pytest.raises(HiSpecError, match="confirm it by decoding"):
+        replay(Trace([1, 2, 3], 1, 3), "hispec", Policy(1, 2, 2, 2, tree="dynamic"), None, 4, frozenset())
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "opt"])
 def test_trees_with_exits_that_accept_everything(arch, tmp_path):
     tiny = save_tiny(arch, tmp_path / "base", mutate=identity_above(1))

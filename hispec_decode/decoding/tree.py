@@ -5,7 +5,7 @@ A tree hangs under a *root*, the last token of the sequence before it (at slot `
 nodes take the slots ``base, base + 1, ...`` in the order they were added, parents before children
 (so ``tokens[base:]`` of the sequence are the nodes), and the positions ``base - 1 + depth``: the
 K/V of a node is computed at the position it would have in the sequence, seeing the committed
-prefix and its own ancestors only (:class:`TreeRows`, read by the attention of every band). After
+prefix and its own ancestors only (:class:`~hispec_decode.layers.attention.TreeRows`, read by every band). After
 verification the accepted path's entries are moved to consecutive slots and everything else is
 forgotten (:meth:`hispec_decode.engine.sequence.Sequence.accept_path`).
 
@@ -27,20 +27,11 @@ from functools import lru_cache
 
 import torch
 
-TREE_KINDS = ("chain", "static", "dynamic")
+from ..layers.attention import TreeRows
+
 # How often the draft exit's r-th most likely token is the full model's (shipped SmolLM2 L2 heads on
 # held-out tokens: top-1 31.8%, top-4 52.9%; docs/heads.md), for static shapes; beyond: ~1/r^2.
 RANK_PRIOR = (0.318, 0.105, 0.061, 0.045)
-
-
-@dataclass(frozen=True)
-class TreeRows:
-    """What attention needs of a tree: node ``i`` sits at slot ``base + i`` and position
-    ``base - 1 + depth[i]``, and sees node ``j`` iff ``visible[i, j]`` (its ancestors and itself)."""
-
-    base: int
-    depth: torch.Tensor  # [N] int64
-    visible: torch.Tensor  # [N, N] bool
 
 
 @dataclass

@@ -57,16 +57,36 @@ def _load() -> ModuleType | None:
 
         directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(directory)
         csrc = Path(__file__).parent / "csrc"
         flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
         return load("hispec_kernels", [str(csrc / s) for s in SOURCES], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths still work
         lines = str(exc).splitlines() or [""]
-        reason = next((line for line in lines if "error" in line.lower() and ":" in line), lines[0])
+        reason = next((line for line in lines if ": error" in line.lower()),
+                      next((line for line in lines if "error" in line.lower() and ":" in line), lines[0]))
         logger.warning("hispec kernels: not available (%s: %s); using the torch fallbacks",
                        type(exc).__name__, reason.strip()[:300])
         return None
+
+
+STALE_LOCK_SECONDS = 600  # a build takes about a minute; a lock this old was left by a killed one
+
+
+def _clear_stale_lock(directory: Path) -> None:
+    """torch's build lock survives a killed build, and every later load would wait on it forever:
+    remove one older than :data:`STALE_LOCK_SECONDS`."""
+    import time
+
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("hispec kernels: removing a build lock left %.0f s ago by an interrupted build (%s)", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 _off = 0  # depth of disabled() blocks

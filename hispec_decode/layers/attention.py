@@ -5,7 +5,7 @@ tensor (no padding). The metadata is an explicit object handed to each layer (ne
 global): for every sequence, which positions its new tokens take, where they go in the paged
 cache and which slots hold its past. Each sequence attends to its own past only, under its
 own causal mask; masks are built once per call and sliding-window size, then shared by all layers.
-A sequence with a draft tree (:class:`~hispec_decode.decoding.tree.TreeRows`) gives its tree's rows
+A sequence with a draft tree (:class:`TreeRows`) gives its tree's rows
 their positions (prefix length + depth) and a visibility mask: a node sees the prefix, its ancestors
 and itself, never another branch.
 """
@@ -22,7 +22,16 @@ from .. import kernels
 
 if TYPE_CHECKING:
     from ..cache.kv_cache import PagedKVCache, Slots
-    from ..decoding.tree import TreeRows
+
+
+@dataclass(frozen=True)
+class TreeRows:
+    """What attention needs of a tree: node ``i`` sits at slot ``base + i`` and position
+    ``base - 1 + depth[i]``, and sees node ``j`` iff ``visible[i, j]`` (its ancestors and itself)."""
+
+    base: int
+    depth: torch.Tensor  # [N] int64
+    visible: torch.Tensor  # [N, N] bool
 
 
 @dataclass

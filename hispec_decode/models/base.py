@@ -27,8 +27,7 @@ from torch import nn
 from .. import kernels
 from ..cache.kv_cache import PagedKVCache
 from ..errors import HiSpecError
-from ..decoding.tree import TreeRows
-from ..layers.attention import AttentionMeta, attend, attend_invariant, build_meta
+from ..layers.attention import AttentionMeta, TreeRows, attend, attend_invariant, build_meta
 from ..layers.linear import FusedLinear, in_row_chunks
 
 

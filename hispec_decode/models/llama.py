@@ -6,8 +6,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..decoding.tree import TreeRows
-from ..layers.attention import AttentionMeta
+from ..layers.attention import AttentionMeta, TreeRows
 from ..cache.kv_cache import PagedKVCache
 from .base import AttentionFn, DecoderModel, LayerKernels, module_linears
 

@@ -12,8 +12,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from ..config import METHODS, SCHEDULES, SpeculativeConfig
-from ..decoding.tree import TREE_KINDS
+from ..config import METHODS, SCHEDULES, TREE_KINDS, SpeculativeConfig
 
 POLICY_ARGS = ("draft_layer", "verify_layer", "window", "num_draft", "tree", "tree_nodes",
                "tree_width")  # the SpeculativeConfig fields benchmarks take

@@ -21,6 +21,7 @@ from ..cache.block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from ..engine.model_runner import ModelRunner
 from ..engine.sequence import BandRequest, Counters, Sequence
 from ..engine.strategies import STRATEGIES, run_alone
+from ..errors import HiSpecError
 from .costs import CostModel
 
 
@@ -144,6 +145,9 @@ class Replay:
 def replay(trace: Trace, method: str, policy: Policy, costs: CostModel, num_layers: int,
            eos: frozenset[int]) -> Replay:
     """Decode ``trace``'s prompt under ``method`` and ``policy`` with the stand-in runner."""
+    if policy.tree != "chain":
+        raise HiSpecError(f"a {policy.tree} tree policy cannot be replayed (the traces hold each exit's top-1 token "
+                          f"along the true prefix only): confirm it by decoding")
     strategy = STRATEGIES[method]
     blocks = BlockManager(4096, DEFAULT_BLOCK_SIZE)  # lengths only: the stand-in runner stores no K/V
     seq = Sequence(0, trace.tokens[: trace.prompt_length], blocks, strategy.exits(policy, num_layers), _Sampler(),

@@ -203,6 +203,8 @@ def confirm_batches(model: Any, prompts: list[list[int]], max_new_tokens: int, c
             thresholds[str(b)] = SPECULATION_OFF
         rows.append({"batch_size": b, "ratio_to_autoregressive": round(ratio, 3), "speculation": "off" if off else "on"})
         logger.info("batch %d: %.2fx plain decoding%s", b, ratio, " -> speculation off from here" if off else "")
+        if off:  # every bigger size too, measured or not
+            thresholds.update({k: SPECULATION_OFF for k in thresholds if int(k) >= b})
     return thresholds, rows
 
 
