@@ -288,6 +288,16 @@ def small_vocab_model(tmp_path_factory):
     return path, model
 
 
+def assert_first_two_tokens_follow(sequences: list[list[int]], model, params: SamplingParams) -> None:
+    """The chi-square test (99.9%) of the first two tokens of ``sequences`` (independent draws) against
+    their exact distribution under ``model`` and ``params``."""
+    counts: dict[tuple[int, int], int] = {}
+    for seq in sequences:
+        counts[tuple(seq[:2])] = counts.get(tuple(seq[:2]), 0) + 1
+    stat, df = chi_square(counts, exact_two_token_distribution(model, params), len(sequences))
+    assert stat < chi_square_critical(df), (stat, df)
+
+
 def exact_two_token_distribution(model, params: SamplingParams) -> dict[tuple[int, int], float]:
     with torch.no_grad():
         first = warp(model(torch.tensor([SAMPLE_PROMPT])).logits[0, -1:], params)[0]

@@ -215,10 +215,8 @@ class TokenSampler:
         sampling), most likely first; in the drafter-invariant mode ranked by the Gumbel-perturbed
         score of the position, so the first is the token a chain would draft."""
         k = min(k, logits.shape[-1])
-        if self.greedy:  # the top logits and their probabilities, without a softmax over the vocabulary
-            x = logits.float()
-            values, order = x.topk(k, dim=-1)
-            top = (values - x.logsumexp(-1, keepdim=True)).exp()
+        if self.greedy:
+            top, order = logits.float().softmax(-1).topk(k, dim=-1)
         else:
             probs = self.probs(logits)
             if self.gumbel:
