@@ -3,4 +3,4 @@
 set -euo pipefail
 . "$(dirname "$0")/_setup.sh"
 cd "$ROOT"
-python -m pytest "$@"
+python -m pytest --durations=15 "$@"
