@@ -104,7 +104,12 @@ class HiSpecModel:
         if self.adapter is not None:
             roles = {r: self.adapter.config.layer_for(r) for r in ("draft", "intermediate")}
             tuned = self.adapter.config.tuned_policy(config.method, self.decoder.dtype)
-        return resolve_policy(config, self.num_layers, roles, tuned)
+        policy = resolve_policy(config, self.num_layers, roles, tuned)
+        window = self.decoder.min_sliding_window()
+        if policy.tree != "chain" and window is not None and policy.num_draft > window:
+            # a node deeper than the window would see ancestors its position no longer sees
+            policy = dataclasses.replace(policy, num_draft=window)
+        return policy
 
     def build_engine(self, speculative_config: SpeculativeConfig | None = None, engine_config: EngineConfig | None = None,
                      *, sampling_params: SamplingParams | None = None, **overrides: Any) -> LLMEngine:

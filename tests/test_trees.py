@@ -273,3 +273,12 @@ def test_bf16_batch_invariant_trees_equal_own_autoregressive(arch, tiny_models):
             for b in (1, 4):
                 out = model.generate(prompts[:b], max_new_tokens=NEW, **LEVELS[level], **SHAPES[shape], **fixed)
                 assert out.sequences == alone[:b], (level, shape, b)
+
+
+def test_tree_depth_is_capped_at_the_smallest_sliding_window(hispec_models, monkeypatch):
+    """A node deeper than a sliding window would see ancestors its position no longer sees."""
+    model = hispec_models["qwen3"]
+    assert model.policy(method="hispec", tree="dynamic", num_draft=5).num_draft == 5
+    monkeypatch.setattr(type(model.decoder), "min_sliding_window", lambda self: 3)
+    assert model.policy(method="hispec", tree="dynamic", num_draft=5).num_draft == 3
+    assert model.policy(method="hispec", tree="chain", num_draft=5).num_draft == 5  # a chain is linear

@@ -178,10 +178,10 @@ class Sequence:
             self.kv.move(self.seq_id, [(s, base + d) for d, s in enumerate(slots) if s != base + d])
         before = [self.processed(b) for b in range(len(self.exits))]
         after = [min(n, base) + sum(s < n for s in slots) for n in before]
-        keep = set(range(base)) | set(slots)
+        kept = set(slots)
         for band, pending in enumerate(self.pending):
             if pending is not None:
-                rows = [r for r, s in enumerate(range(before[band + 1], before[band])) if s in keep]
+                rows = [r for r, s in enumerate(range(before[band + 1], before[band])) if s < base or s in kept]
                 self.pending[band] = pending[:, rows] if rows else None
         self.tokens[base:] = [tree.tokens[i] for i in path]
         self.context.move(base, slots)

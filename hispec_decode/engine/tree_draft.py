@@ -54,7 +54,7 @@ def draft_tree(seq: Sequence, policy: Policy, threshold: float, floor: float = 0
             for node, cands in frontier:
                 for rank, (token, prob) in enumerate(cands):
                     path = rank_path[node] + (rank,)
-                    if path in wanted:
+                    if path in wanted and tree.score(node) * prob > floor:
                         new.append(add(token, node, tree.score(node) * prob))
                         rank_path[new[-1]] = path
         else:

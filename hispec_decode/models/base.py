@@ -109,6 +109,11 @@ class DecoderModel(ABC):
         """Kernels of every base layer, built on first use (training never runs them)."""
         return [self.kernels(layer) for layer in self.layers]
 
+    def min_sliding_window(self) -> int | None:
+        """The smallest attention span of a sliding-window layer, None if no layer has one (a draft
+        tree is never deeper than it: docs/trees.md)."""
+        return min((k.sliding_window for k in self.layer_kernels if k.sliding_window), default=None)
+
     def default_eos_ids(self) -> frozenset[int]:
         """End-of-sequence ids of the model's generation config (else its config), maybe none."""
         gen = getattr(self.model, "generation_config", None)
