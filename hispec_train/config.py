@@ -34,7 +34,8 @@ class TrainConfig:
     base: str | None = _key(None, "Hub id, local dir, .gguf or PEFT LoRA dir of the frozen base (none: embedded SmolLM2)")
     heads_layers: list[int] = _key(None, "exit layers, increasing: the first is the draft exit L_d, the second the "
                                          "intermediate exit L_i, any others extra", factory=lambda: [4, 8])
-    head_type: str = _key("residual_linear", "norm, residual_linear, low_rank, deep_context or decoder_block")
+    head_type: str = _key("residual_linear", "norm, residual_linear, low_rank, deep_context, decoder_block or "
+                                             "feature_attention")
     head_options: dict[str, Any] = _key(None, "options of the head type as JSON, e.g. {\"rank\": 32} (low_rank) or "
                                               "{\"attention_only\": true} (decoder_block: Kangaroo's adapter)", factory=dict)
     # data
@@ -44,6 +45,8 @@ class TrainConfig:
     max_tokens: int | None = _key(200_000, "tokens read from the data set (none: all)")
     eval_fraction: float = _key(0.05, "held-out fraction of the blocks, in (0, 1)")
     seq_len: int = _key(256, "tokens per training block")
+    windows: str = _key("random", "feature-store windows: random (anywhere in a sequence) or start (each sequence's "
+                                  "first seq_len tokens: heads with attention see everything before every position)")
     # optimisation
     batch_size: int = _key(4, "sequences per process per micro-step")
     grad_accum: int = _key(1, "micro-steps per optimizer step")
@@ -98,6 +101,8 @@ class TrainConfig:
             raise HiSpecError(f"ce_weight must be in [0, 1]; got {self.ce_weight}")
         if self.loss_vocab not in ("full", "exit") or (self.loss_vocab == "exit" and not self.exit_vocab_size):
             raise HiSpecError(f"loss_vocab must be full, or exit together with exit_vocab_size > 0; got {self.loss_vocab!r}")
+        if self.windows not in ("random", "start") or (self.windows == "start" and not self.features):
+            raise HiSpecError(f"windows must be random, or start together with features (a store); got {self.windows!r}")
         if self.mixed_precision not in MIXED_PRECISION:
             raise HiSpecError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}; got {self.mixed_precision!r}")
         if not self.report_to:

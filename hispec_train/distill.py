@@ -104,38 +104,57 @@ def distillation_loss(decoder: DecoderModel, heads: list[ExitHead], hidden: list
 
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # confidence calibration points
+DRAFT_STEPS = 4  # draft positions measured: a chain of up to 4 tokens drafted by the head alone
 
 
 @dataclass
 class Agreement:
-    """Counts of agreement with the final layer on held-out data, per head layer: top-1, top-4
-    (the final token among the head's 4 best) and, per confidence threshold, how many tokens the
-    head is that confident on and how many of those it gets right (calibration)."""
+    """Counts of agreement with the final layer on held-out data, per head layer: top-1 and top-4
+    (the final token among the head's 4 best) of the first draft after a verification, and per
+    confidence threshold how many tokens the head is that confident on and how many of those it gets
+    right (calibration); per draft position of a chain the head drafts alone (``steps``), the tokens
+    it agrees on and, among the positions where every earlier draft of the chain was right (and is the
+    data's next token, so the later states are the drafted tokens'), how many it gets right."""
 
     tokens: int = 0
-    with_final: dict[int, int] = field(default_factory=dict)  # head layer -> agreeing tokens
-    in_top4: dict[int, int] = field(default_factory=dict)
+    with_final: dict[int, int] = field(default_factory=dict)  # head layer -> agreeing tokens at step 2
+    in_top4: dict[int, int] = field(default_factory=dict)  # ... in the top 4 at step 1
     confident: dict[int, list[int]] = field(default_factory=dict)  # per THRESHOLDS: tokens with top prob >= t
     confident_right: dict[int, list[int]] = field(default_factory=dict)  # ... of which agree
-    first_with_final: dict[int, int] = field(default_factory=dict)  # deep-context heads: with the true context
+    first_with_final: dict[int, int] = field(default_factory=dict)  # deep-context heads: step 1, the true context
+    step_right: dict[int, list[int]] = field(default_factory=dict)  # layer -> per step: agreeing tokens
+    chain_reached: dict[int, list[int]] = field(default_factory=dict)  # layer -> per step: positions every earlier
+    chain_right: dict[int, list[int]] = field(default_factory=dict)  # draft was right at; ... of which agree
     draft_vs_intermediate: int = 0
 
     def add(self, layer: int, n: int) -> None:
         self.with_final[layer] = self.with_final.get(layer, 0) + n
 
+    def acceptance(self, layer: int) -> list[float]:
+        """Per draft position: the chance the draft is right given every earlier one was."""
+        return [r / n if n else 0.0 for r, n in zip(self.chain_right[layer], self.chain_reached[layer])]
+
     def rates(self) -> dict[str, float]:
         out = {f"agreement/L{layer}": n / self.tokens for layer, n in sorted(self.with_final.items())}
         out["agreement/draft_vs_intermediate"] = self.draft_vs_intermediate / self.tokens
         out |= {f"agreement_true_context/L{layer}": n / self.tokens for layer, n in sorted(self.first_with_final.items())}
+        for layer in sorted(self.step_right):
+            rates = self.acceptance(layer)
+            for j, right in enumerate(self.step_right[layer]):
+                out[f"agreement_step{j + 1}/L{layer}"] = right / self.tokens
+                out[f"acceptance_step{j + 1}/L{layer}"] = rates[j]
+            out[f"chain_accepted/L{layer}"] = expected_chain(rates)
         return out
 
     def curve(self) -> dict[int, dict[str, object]]:
-        """Per layer: top-1 and top-4 agreement, and coverage/precision at each threshold."""
+        """Per layer: top-1 and top-4 agreement, and coverage/precision at each threshold (all of the
+        first draft after a verification), and the acceptance per draft position."""
         out = {}
         for layer in sorted(self.with_final):
             n, right = self.confident.get(layer, [0] * len(THRESHOLDS)), self.confident_right.get(layer, [0] * len(THRESHOLDS))
             out[layer] = {
-                "top1": self.with_final[layer] / self.tokens, "top4": self.in_top4.get(layer, 0) / self.tokens,
+                "top1": self.step_right[layer][0] / self.tokens, "top4": self.in_top4.get(layer, 0) / self.tokens,
+                "top1_later_drafts": self.with_final[layer] / self.tokens, "acceptance_per_step": self.acceptance(layer),
                 "calibration": [{"threshold": t, "coverage": c / self.tokens, "precision": r / c if c else None}
                                 for t, c, r in zip(THRESHOLDS, n, right)],
             }
@@ -145,42 +164,74 @@ class Agreement:
 @torch.no_grad()
 def agreement(decoder: DecoderModel, heads: dict[int, ExitHead], hidden: dict[int, torch.Tensor],
               teacher_hidden: torch.Tensor, draft: int, intermediate: int, chunk_size: int, into: Agreement,
-              valid: torch.Tensor | None = None) -> None:
-    """Add each head's agreement with the final layer (and the draft's with the intermediate)
-    over the ``valid`` positions (default: all)."""
+              valid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> None:
+    """Add each head's agreement with the final layer (and the draft's with the intermediate) over
+    the ``valid`` positions (default: all); with ``input_ids`` ([B, T]) also the acceptance per draft
+    position of a chain (:class:`Agreement`)."""
     T = teacher_hidden.shape[1]
     if valid is None:
         valid = torch.ones(teacher_hidden.shape[:2], dtype=torch.bool, device=teacher_hidden.device)
     dtype = heads_dtype(list(heads.values()), teacher_hidden.dtype)
-    # the last variant is the harder case (a deep-context head reading its own earlier outputs)
-    variants = {layer: head.training_transforms(hidden[layer].to(dtype), decoder, teacher_hidden)
-                for layer, head in heads.items()}
-    transformed = {layer: v[-1] for layer, v in variants.items()}
+    steps = {layer: head.draft_steps(hidden[layer].to(dtype), decoder, teacher_hidden, DRAFT_STEPS)
+             for layer, head in heads.items()}
+    final = torch.cat([decoder.lm_logits(teacher_hidden[:, s : s + chunk_size]).argmax(-1)
+                       for s in range(0, T, chunk_size)], dim=1)  # [B, T]
     thresholds = torch.tensor(THRESHOLDS, device=teacher_hidden.device)
-    for s in range(0, T, chunk_size):
-        sl = slice(s, s + chunk_size)
-        keep = valid[:, sl]
-        final = decoder.lm_logits(teacher_hidden[:, sl]).argmax(-1)[keep]  # [n]
-        tops = {}
-        for layer, head in heads.items():
-            probs = torch.softmax(head.project(transformed[layer][:, sl], decoder).float()[keep], dim=-1)  # [n, V]
-            conf, top4 = probs.topk(4, dim=-1)
-            tops[layer] = top4[:, 0]
-            right = top4[:, 0] == final
-            into.add(layer, int(right.sum()))
-            into.in_top4[layer] = into.in_top4.get(layer, 0) + int((top4 == final[:, None]).any(-1).sum())
-            above = conf[:, :1] >= thresholds[None, :]  # [n, len(THRESHOLDS)]
-            for name, add in (("confident", above.sum(0)), ("confident_right", (above & right[:, None]).sum(0))):
-                counts = getattr(into, name).setdefault(layer, [0] * len(THRESHOLDS))
-                for i, x in enumerate(add.tolist()):
-                    counts[i] += x
-        for layer, v in variants.items():
-            if len(v) > 1:  # the first variant: the previous position's true final state (after a verification)
-                top = heads[layer].project(v[0][:, sl], decoder).argmax(-1)[keep]
-                into.first_with_final[layer] = into.first_with_final.get(layer, 0) + int((top == final).sum())
-        if draft in tops and intermediate in tops:
-            into.draft_vs_intermediate += int((tops[draft] == tops[intermediate]).sum())
-        into.tokens += final.numel()
+    tops: dict[int, torch.Tensor] = {}
+    for layer, head in heads.items():
+        top = []  # per step: [B, T] the head's argmax
+        for j, x in enumerate(steps[layer]):
+            if j and x is steps[layer][j - 1]:  # a head that reads no deep state: every step is the same
+                top.append(top[-1])
+                continue
+            parts = []
+            for s in range(0, T, chunk_size):
+                probs = torch.softmax(head.project(x[:, s : s + chunk_size], decoder).float(), dim=-1)  # [B, c, V]
+                conf, top4 = probs.topk(4, dim=-1)
+                parts.append(top4[..., 0])
+                if j == 0:  # the first draft after a verification: top-4 and calibration
+                    keep, f = valid[:, s : s + chunk_size], final[:, s : s + chunk_size]
+                    right = (top4[..., 0] == f)[keep]
+                    into.in_top4[layer] = into.in_top4.get(layer, 0) + int((top4 == f[..., None]).any(-1)[keep].sum())
+                    above = conf[..., :1][keep] >= thresholds[None, :]  # [n, len(THRESHOLDS)]
+                    for name, add in (("confident", above.sum(0)), ("confident_right", (above & right[:, None]).sum(0))):
+                        counts = getattr(into, name).setdefault(layer, [0] * len(THRESHOLDS))
+                        for i, n in enumerate(add.tolist()):
+                            counts[i] += n
+            top.append(torch.cat(parts, dim=1))
+        right = [(t == final) & valid for t in top]  # per step [B, T]
+        into.add(layer, int(right[1 if len(right) > 1 else 0].sum()))
+        if head.needs_context:
+            into.first_with_final[layer] = into.first_with_final.get(layer, 0) + int(right[0].sum())
+        per_step = into.step_right.setdefault(layer, [0] * DRAFT_STEPS)
+        reached = into.chain_reached.setdefault(layer, [0] * DRAFT_STEPS)
+        chain = into.chain_right.setdefault(layer, [0] * DRAFT_STEPS)
+        ok = valid.clone()  # [B, T]: the chain that ends at t reached step j (every earlier draft right)
+        for j in range(DRAFT_STEPS):
+            per_step[j] += int(right[j].sum())
+            reached[j] += int(ok.sum())
+            chain[j] += int((ok & right[j]).sum())
+            if input_ids is None:  # no tokens: no chains measured beyond step 1
+                break
+            # the chain at t + 1 reaches step j + 2 if it reached step j + 1 at t, that draft was right
+            # and it is the data's next token (the states after it are the drafted token's)
+            nxt = ok & right[j]
+            nxt[:, :-1] &= input_ids[:, 1:] == final[:, :-1]
+            ok = torch.zeros_like(ok)
+            ok[:, 1:] = nxt[:, :-1] & valid[:, 1:]
+        tops[layer] = top[0]
+    if draft in tops and intermediate in tops:
+        into.draft_vs_intermediate += int(((tops[draft] == tops[intermediate]) & valid).sum())
+    into.tokens += int(valid.sum())
+
+
+def expected_chain(acceptance: list[float]) -> float:
+    """Expected accepted drafts of a greedy chain with these per-position acceptances."""
+    total, alive = 0.0, 1.0
+    for a in acceptance:
+        alive *= a
+        total += alive
+    return total
 
 
 def expected_accepted(rate: float, window: int) -> float:

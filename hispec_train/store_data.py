@@ -76,13 +76,15 @@ class FeatureStore:
         return FeatureBatch([t[f"hidden.{l}"][sl][None] for l in self.layers], t["final"][sl][None],
                             t["input_ids"][sl].long()[None], torch.ones(1, length, dtype=torch.bool))
 
-    def batch(self, generator: torch.Generator, batch_size: int, seq_len: int) -> FeatureBatch:
-        """``batch_size`` random windows (sequences drawn in proportion to their length)."""
-        picks = torch.multinomial(self.weights, batch_size, replacement=True, generator=generator).tolist()
+    def batch(self, generator: torch.Generator, batch_size: int, seq_len: int, from_start: bool = False) -> FeatureBatch:
+        """``batch_size`` random windows (sequences drawn in proportion to their length); ``from_start``:
+        each window is its sequence's first ``seq_len`` tokens (sequences drawn in proportion to those)."""
+        weights = self.weights.clamp(max=seq_len) if from_start else self.weights
+        picks = torch.multinomial(weights, batch_size, replacement=True, generator=generator).tolist()
         rows = []
         for seq in picks:
             n = self.sequences[seq][2]
-            start = int(torch.randint(0, max(1, n - seq_len + 1), (1,), generator=generator))
+            start = 0 if from_start else int(torch.randint(0, max(1, n - seq_len + 1), (1,), generator=generator))
             rows.append(self.window(seq, start, min(seq_len, n)))
         return collate(rows)
 

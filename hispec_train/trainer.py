@@ -109,7 +109,7 @@ class TrainingData:
         cfg = self.cfg
         if self.store is not None:  # a generator per (step, micro-step, process): resumable and process-independent
             g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + (step * cfg.grad_accum + micro) * world + rank)
-            b = self.store.batch(g, cfg.batch_size, cfg.seq_len)
+            b = self.store.batch(g, cfg.batch_size, cfg.seq_len, from_start=cfg.windows == "start")
             return FeatureBatch([h.to(device) for h in b.hidden], b.final.to(device), b.input_ids.to(device),
                                 b.valid.to(device))
         idx = batch_indices(step, micro, cfg, len(self.blocks.train), rank, world)
@@ -158,7 +158,7 @@ def evaluate(cfg: TrainConfig, decoder: DecoderModel, data: TrainingData, heads:
                    for s in range(0, min(len(blocks), cfg.eval_batches * cfg.batch_size), cfg.batch_size))
     for b in batches:
         agreement(decoder, heads, dict(zip(layers, b.hidden)), b.final, layers[0], layers[min(1, len(layers) - 1)],
-                  cfg.chunk_size, counts, b.valid)
+                  cfg.chunk_size, counts, b.valid, b.input_ids)
     rates = counts.rates()
     rates |= {f"agreement_top4/L{l}": c["top4"] for l, c in counts.curve().items()}
     if len(layers) >= 2:

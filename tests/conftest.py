@@ -247,8 +247,19 @@ def identity_above(draft_layer: int):
 
 def zero_head(head):
     """h + W h with W = -I: the head sees a zero hidden state, so it always proposes one fixed token
-    (a deep-context head also ignores its context: U = 0)."""
+    (a deep-context head also ignores its context: U = 0; a feature head's layer sees the same input
+    at every position)."""
     with torch.no_grad():
+        if head.head_type == "feature_attention":  # zero input, and a layer that adds nothing to it
+            head.fuse.weight.zero_()
+            head.fuse.weight[:, : head.hidden_size].copy_(-torch.eye(head.hidden_size))
+            block = head.block
+            for lin in ([block.self_attn.o_proj, block.mlp.down_proj] if hasattr(block, "mlp")
+                        else [block.self_attn.out_proj, block.fc2]):
+                lin.weight.zero_()
+                if lin.bias is not None:
+                    lin.bias.zero_()
+            return
         head.proj.weight.copy_(-torch.eye(head.proj.weight.shape[0]))
         if hasattr(head, "ctx"):
             head.ctx.weight.zero_()

@@ -84,7 +84,7 @@ def test_batch_rows_decoded_independently(hispec_models, references):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "opt"])
-@pytest.mark.parametrize("head_type", [None, "deep_context"])
+@pytest.mark.parametrize("head_type", [None, "deep_context", "feature_attention"])
 def test_exits_that_accept_everything(arch, head_type, tmp_path):
     tiny = save_tiny(arch, tmp_path / "base", mutate=identity_above(1))
     model = tiny.load()
@@ -104,7 +104,7 @@ def test_exits_that_accept_everything(arch, head_type, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("head_type", ["residual_linear", "deep_context"])
+@pytest.mark.parametrize("head_type", ["residual_linear", "deep_context", "feature_attention"])
 def test_exits_that_reject_almost_everything(arch, head_type, hispec_models, tiny_models, references, tmp_path):
     model = hispec_models[arch]
     for roles in (("draft",), ("draft", "intermediate")):

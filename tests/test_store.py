@@ -227,7 +227,8 @@ def test_exit_vocabulary_loss_is_kl_over_the_vocabulary(store, trainable_base):
     assert not torch.allclose(full, loss)  # the full-vocabulary loss is another quantity
 
 
-@pytest.mark.parametrize("head_type,options", [("deep_context", "{}"), ("decoder_block", '{"attention_only": true}')])
+@pytest.mark.parametrize("head_type,options", [("deep_context", "{}"), ("decoder_block", '{"attention_only": true}'),
+                                                ("feature_attention", '{"train_steps": 2}')])
 def test_new_head_types_train_from_the_store_export_and_decode_losslessly(head_type, options, store, trainable_base,
                                                                           tmp_path):
     from hispec_train.export import export
@@ -238,10 +239,12 @@ def test_new_head_types_train_from_the_store_export_and_decode_losslessly(head_t
     last = report["history"][-1]
     for layer in (1, 3):
         assert last[f"agreement/L{layer}"] > report["untrained"][f"agreement/L{layer}"]
-        assert (f"agreement_true_context/L{layer}" in last) == (head_type == "deep_context")
+        assert (f"agreement_true_context/L{layer}" in last) == (head_type != "decoder_block")
+        assert 0 <= last[f"acceptance_step4/L{layer}"] <= 1 and f"chain_accepted/L{layer}" in last
     adapter = export(run, tmp_path / "heads")
-    assert adapter.head(1).head_type == head_type and adapter.head(1).options() == (
-        {"source_layer": 1, "attention_only": True} if head_type == "decoder_block" else {"context_size": 64})
+    assert adapter.head(1).head_type == head_type and adapter.head(1).options() == {
+        "decoder_block": {"source_layer": 1, "attention_only": True}, "deep_context": {"context_size": 64},
+        "feature_attention": {"source_layer": 1, "context_size": 64, "train_steps": 2}}[head_type]
     model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(tmp_path / "heads"))
     prompts = [[5, 6, 7, 8], [9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
     for prompt in prompts:

@@ -36,6 +36,8 @@ class ModelRunner:
         cached = sorted(layer for layer, head in self.heads.items() if head.has_cache)
         self.head_cache_layer = {layer: decoder.num_layers + j for j, layer in enumerate(cached)}
         self.keep_final = any(head.needs_context for head in self.heads.values())  # deep-context heads read them
+        # feature_attention heads: their rows are computed when their logits are asked for (_feature_transform)
+        self.feature_layers = {layer for layer, head in self.heads.items() if head.has_cache and head.needs_context}
 
     def new_cache(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> PagedKVCache:
         return self.decoder.new_cache(num_blocks, block_size, len(self.head_cache_layer))
@@ -70,7 +72,13 @@ class ModelRunner:
                     st.pending[band - 1] = None
             h = self.decoder.run(x, lo, hi, meta, cache)
             head = self.heads.get(hi)
-            g = head.extend(h, meta, cache, self.head_cache_layer[hi], self.decoder) if hi in self.head_cache_layer else h
+            g = h
+            if hi in self.feature_layers:  # the exit's states wait for the head's rows
+                for (_, st), (_, start, n), seg in zip(group, spans, meta.segments):
+                    for j in range(n):
+                        st.context.keep_hidden(hi, start + j, h[0, seg.offset + j])
+            elif hi in self.head_cache_layer:
+                g = head.extend(h, meta, cache, self.head_cache_layer[hi], self.decoder)
             if hi == self.decoder.num_layers and self.keep_final:
                 self._keep_final_states(group, spans, meta, h)
             for (i, st), (_, start, n), seg in zip(group, spans, meta.segments):
@@ -83,7 +91,7 @@ class ModelRunner:
                 if requests[i].top_band == last:
                     at_top[i] = g[:, rows]
             band = last + 1
-        return self._logits(requests, at_top)
+        return self._logits(requests, at_top, cache)
 
     def _merge(self, requests: list[BandRequest], group: list[tuple[int, Sequence]], band: int, top: int) -> int:
         """The highest band that can run in one slice with ``band``: the same sequences need it over
@@ -108,7 +116,7 @@ class ModelRunner:
         """Remember the normed final states a deep-context head may read (from the last commit on);
         only those rows are normed (a prefill keeps one)."""
         keep = [(st, p, seg.offset + p - start) for (_, st), (_, start, n), seg in zip(group, spans, meta.segments)
-                for p in range(max(start, st.committed - 2), start + n)]
+                for p in range(max(start, st.context.keep_from(st.committed - 2)), start + n)]
         if not keep:
             return
         rows = torch.tensor([r for _, _, r in keep], device=h.device)
@@ -141,7 +149,56 @@ class ModelRunner:
                 pending.discard((k, slot))
         return torch.cat([out[k, j] for k, j, _ in items], dim=1)
 
-    def _logits(self, requests: list[BandRequest], at_top: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    def _feature_transform(self, layer: int, seqs: list[Sequence], counts: list[int], cache: PagedKVCache) -> torch.Tensor:
+        """A feature_attention head's output at each sequence's ``counts[k]`` newest rows, [1, sum, hidden]
+        in request order. Each sequence's rows are computed from :meth:`ContextStates.feature_start` on (the
+        rows verified since are recomputed from their true final states), in waves: a wave takes each
+        sequence's longest run of rows whose context is known (a true final state, or an output computed
+        before), one packed call of the head's layer over all of them, its K/V written at their slots."""
+        head, cache_layer = self.heads[layer], self.head_cache_layer[layer]
+        todo = []
+        for st, n in zip(seqs, counts):
+            end = len(st.tokens)
+            todo.append(list(range(min(st.context.feature_start(layer), end - n), end)))
+        out: list[dict[int, torch.Tensor]] = [{} for _ in seqs]
+        zero = self.decoder.lm_head.weight.new_zeros(head.context_size)
+        while any(todo):
+            wave = []  # (k, first slot, [(slot, context, exact)])
+            for k, (st, slots) in enumerate(zip(seqs, todo)):
+                rows, pending = [], set(slots)
+                for p in slots:
+                    prev = st.previous(p)
+                    final = st.context.final.get(prev)
+                    if final is None and prev in pending:  # its context is computed in this call: a later wave
+                        break
+                    ctx = final if final is not None else st.context.context_at(layer, prev, deeper_first=True)
+                    rows.append((p, zero if ctx is None else ctx, p == 0 or final is not None))
+                    pending.discard(p)
+                if rows:
+                    wave.append((k, rows))
+                    del slots[: len(rows)]
+            trees = [seqs[k].tree.rows() if seqs[k].tree is not None else None for k, _ in wave]
+            meta = self.decoder.meta(cache, [(seqs[k].seq_id, rows[0][0], len(rows)) for k, rows in wave],
+                                     trees if any(t is not None for t in trees) else None)
+            try:
+                h = torch.stack([seqs[k].context.hidden[layer][p] for k, rows in wave for p, _, _ in rows])[None]
+            except KeyError as exc:
+                raise RuntimeError(f"feature head at layer {layer}: no exit state kept at position {exc}") from None
+            ctx = torch.stack([c for _, rows in wave for _, c, _ in rows])[None]  # [1, m, C]
+            x = head.decode_rows(h, ctx, meta, cache, cache_layer, self.decoder)  # [1, m, hidden]
+            own = self.decoder.rowwise(lambda y: head.context_of(y, self.decoder), x)[0]  # [m, C]
+            r = 0
+            for k, rows in wave:
+                for p, _, exact in rows:
+                    seqs[k].context.keep_own(layer, p, own[r].clone())
+                    seqs[k].context.computed(layer, p, exact)
+                    out[k][p] = x[:, r : r + 1]
+                    r += 1
+        return torch.cat([out[k][p] for k, (st, n) in enumerate(zip(seqs, counts))
+                          for p in range(len(st.tokens) - n, len(st.tokens))], dim=1)
+
+    def _logits(self, requests: list[BandRequest], at_top: list[torch.Tensor | None], cache: PagedKVCache
+                ) -> list[torch.Tensor]:
         """One exit call per exit layer over the requested rows of every sequence."""
         out: list[torch.Tensor | None] = [None] * len(requests)
         for i, r in enumerate(requests):
@@ -156,7 +213,11 @@ class ModelRunner:
                                        f"{requests[i].num_logits} asked for")
             newest = [at_top[i][:, -requests[i].num_logits :] for i in idx]
             head = self.heads.get(layer)
-            if head is not None and head.needs_context and layer < self.decoder.num_layers:
+            if layer in self.feature_layers:
+                x = self._feature_transform(layer, [requests[i].seq for i in idx], [requests[i].num_logits for i in idx],
+                                            cache)
+                logits = head.project(x, self.decoder, restrict=self.use_exit_vocab)[0]
+            elif head is not None and head.needs_context and layer < self.decoder.num_layers:
                 x = self._context_transform(layer, [requests[i].seq for i in idx], newest)
                 logits = head.project(x, self.decoder, restrict=self.use_exit_vocab)[0]
             else:

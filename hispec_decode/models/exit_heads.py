@@ -74,6 +74,12 @@ class ExitHead(nn.Module):
         situation it meets when decoding (``final``: the teacher's normed final states [B, T, ·])."""
         return [self.sequence_transform(h, decoder)]
 
+    def draft_steps(self, h: torch.Tensor, decoder: DecoderModel, final: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """The transformed states [B, T, hidden] at every position as the 1st, 2nd, ... ``steps``-th token
+        of a chain the head drafts alone after a verification (the same for heads that read no deep
+        state; evaluation of acceptance per draft position)."""
+        return [self.sequence_transform(h, decoder)] * steps
+
     def project(self, h: torch.Tensor, decoder: DecoderModel, restrict: bool = True, compact: bool = False) -> torch.Tensor:
         """The head's norm and the shared LM head: transformed [..., hidden] -> logits [..., vocab]
         (``-inf`` outside the head's vocabulary, if it has one and ``restrict``; ``compact``:
@@ -210,12 +216,17 @@ class DeepContextHead(ExitHead):
         params = dict(self.norm.items()) if len(self.norm) else None
         return decoder.exit_norm(x, params)
 
+    def draft_steps(self, h: torch.Tensor, decoder: DecoderModel, final: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        context = torch.cat([torch.zeros_like(final[:, :1]), final[:, :-1]], dim=1)  # c(t) = final(t - 1), 0 at t = 0
+        outs = []
+        for _ in range(steps):  # step j reads step j - 1's own (detached) output at t - 1
+            outs.append(self.transform(h, context))
+            own = self.context_of(outs[-1], decoder).detach()
+            context = torch.cat([torch.zeros_like(own[:, :1]), own[:, :-1]], dim=1)
+        return outs
+
     def training_transforms(self, h: torch.Tensor, decoder: DecoderModel, final: torch.Tensor) -> list[torch.Tensor]:
-        shifted = torch.cat([torch.zeros_like(final[:, :1]), final[:, :-1]], dim=1)  # c(t) = final(t - 1), 0 at t = 0
-        first = self.transform(h, shifted)
-        own = self.context_of(first, decoder).detach()
-        own = torch.cat([torch.zeros_like(own[:, :1]), own[:, :-1]], dim=1)
-        return [first, self.transform(h, own)]
+        return self.draft_steps(h, decoder, final, 2)  # the first draft after a verification, and the ones after it
 
     @classmethod
     def init_options(cls, decoder: DecoderModel, layer: int, options: dict[str, Any]) -> dict[str, Any]:
@@ -274,8 +285,11 @@ class DecoderBlockHead(ExitHead):
         return {"source_layer": layer} | options | {"decoder": decoder}  # default: the layer right after the exit
 
 
+from .feature_head import FeatureAttentionHead  # noqa: E402  (it builds on DecoderBlockHead)
+
 HEAD_TYPES: dict[str, type[ExitHead]] = {
-    cls.head_type: cls for cls in (BaseExitHead, NormHead, ResidualLinearHead, LowRankHead, DeepContextHead, DecoderBlockHead)
+    cls.head_type: cls for cls in (BaseExitHead, NormHead, ResidualLinearHead, LowRankHead, DeepContextHead,
+                                   DecoderBlockHead, FeatureAttentionHead)
 }
 
 

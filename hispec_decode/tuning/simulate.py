@@ -56,8 +56,8 @@ def record_trace(runner: ModelRunner, model: torch.nn.Module, prompt: list[int],
         h = out.hidden_states[layer]
         if head is not None and (layer in runner.head_cache_layer or head.needs_context):
             dtype = next(head.parameters()).dtype
-            variants = head.training_transforms(h.to(dtype), runner.decoder, out.last_hidden_state)
-            if len(variants) > 1:
+            variants = head.draft_steps(h.to(dtype), runner.decoder, out.last_hidden_state, 2)
+            if head.needs_context:
                 trace.top_true[layer], trace.conf_true[layer] = top_of(
                     head.project(variants[0].to(h.dtype), runner.decoder, restrict=runner.use_exit_vocab)[0])
             logits = head.project(variants[-1].to(h.dtype), runner.decoder, restrict=runner.use_exit_vocab)[0]
