@@ -166,6 +166,14 @@ def evaluate(cfg: TrainConfig, decoder: DecoderModel, data: TrainingData, heads:
     return rates, counts.curve()
 
 
+def _untrained_before(run_dir: Path) -> dict[str, float] | None:
+    """The untrained exits' evaluation a resumed run already wrote (None: not written, or unreadable)."""
+    try:
+        return json.loads((run_dir / EVAL_NAME).read_text())["untrained"] or None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def check_run_dir(cfg: TrainConfig) -> None:
     """Never overwrite a run by accident: a directory with a checkpoint needs ``resume`` (continue)
     or ``overwrite`` (start again); ``resume`` needs a checkpoint."""
@@ -243,7 +251,9 @@ def train(cfg: TrainConfig) -> Path:
         decoder.keep_exit(accelerator.device)
         data.inner = shard_base(inner, accelerator.state.deepspeed_plugin.deepspeed_config, adapter.config.hidden_size,
                                 cfg.batch_size)
-    untrained, _ = evaluate(cfg, decoder, data, {l: BaseExitHead(adapter.config.hidden_size) for l in cfg.heads_layers})
+    untrained = _untrained_before(run_dir) if cfg.resume else None  # measured when the run started
+    if untrained is None:
+        untrained, _ = evaluate(cfg, decoder, data, {l: BaseExitHead(adapter.config.hidden_size) for l in cfg.heads_layers})
     loss_module = HeadsLoss(adapter, decoder, LossConfig(cfg.kd_temperature, cfg.ce_weight, cfg.chunk_size,
                                                          cfg.loss_vocab == "exit"))
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

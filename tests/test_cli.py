@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hispec_decode.tools import bench
 from hispec_decode.tools import generate as cli
 
@@ -70,3 +72,25 @@ def test_bench_batch_sizes_reports_every_method_at_every_size(tiny_models, tmp_p
         assert all(r["matches_transformers"] == "3/3" for r in rows.values()), size
         assert rows["hispec:gather"]["peak_cache_bytes"] >= rows["hispec:gather"]["needed_cache_bytes"] > 0
     assert "batched throughput" in capsys.readouterr().out
+
+
+def test_bench_compares_two_adapters_side_by_side(tiny_models, tmp_path, capsys):
+    """``--heads-b`` and ``METHOD@b``: the same methods with a second adapter, in one run."""
+    from hispec_decode import HiSpecAdapter
+    from hispec_decode.adapter import ExitSpec
+
+    tiny = tiny_models["llama"]
+    decoder = tiny.load().decoder
+    for name, head_type in (("a", "deep_context"), ("b", "feature_attention")):
+        specs = [ExitSpec(1, "draft", head_type), ExitSpec(3, "intermediate", head_type)]
+        HiSpecAdapter.create(decoder, str(tiny.path), specs).save_pretrained(tmp_path / name)
+    out = tmp_path / "two.json"
+    assert bench.main(["--base", str(tiny.path), "--heads", str(tmp_path / "a"), "--heads-b", str(tmp_path / "b"),
+                       "--dtypes", "float32", "--num-prompts", "2", "--max-new-tokens", "6", "--json", str(out),
+                       "--methods", "transformers,autoregressive,self_spec,self_spec@b"]) == 0
+    rows = json.loads(out.read_text())["dtypes"]["float32"]["methods"]
+    assert set(rows) == {"transformers", "autoregressive", "self_spec", "self_spec@b"}
+    assert rows["self_spec@b"]["matches_transformers"] == "2/2" and rows["self_spec@b"]["ratio_to_autoregressive"]
+    with pytest.raises(SystemExit):  # @b without a second adapter: refused before loading
+        bench.parse_args(["--methods", "hispec@b"])
+    capsys.readouterr()

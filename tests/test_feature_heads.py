@@ -133,3 +133,20 @@ def test_feature_heads_with_trees_and_preemption(arch, hispec_models, tiny_model
             assert model.generate(prompts, max_new_tokens=NEW, **kw).sequences == want, (verify_layer, tree)
     small = model.generate(prompts, max_new_tokens=NEW, method="self_spec", num_draft=3, num_blocks=14, block_size=4)
     assert small.sequences == want and small.stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_batch_invariant_feature_heads_equal_own_autoregressive(arch, hispec_models, tiny_models, tmp_path):
+    """In the batch-invariant mode a feature head's rows (packed fuse, its layer's row-by-row attention)
+    keep bf16 speculation equal to the engine's own autoregressive output, alone and batched, chains and trees."""
+    adapter = _feature_adapter(hispec_models[arch], tiny_models[arch], layers=(1, 3))
+    _randomise(adapter, 0.05)
+    adapter.save_pretrained(tmp_path / "heads")
+    model = tiny_models[arch].load(heads=str(tmp_path / "heads"), dtype="bfloat16", batch_invariant=True)
+    prompts = list(PROMPTS.values())
+    alone = [model.generate([p], max_new_tokens=NEW, method="autoregressive").sequences[0] for p in prompts]
+    always = dict(draft_threshold=0.0, verify_threshold=0.0, batch_aware=False)  # speculate at any batch size
+    for kw in (dict(method="hispec", window=4, num_draft=3, **always),
+               dict(method="self_spec", num_draft=3, tree="dynamic", tree_nodes=5, tree_width=2, **always)):
+        assert [model.generate([p], max_new_tokens=NEW, **kw).sequences[0] for p in prompts] == alone, kw
+        assert model.generate(prompts, max_new_tokens=NEW, **kw).sequences == alone, kw

@@ -82,12 +82,13 @@ def test_command_lines_parse(argv):
     elif prog == "hispec-export":
         export_parser().parse_args(args)
     elif prog in ("hispec-selfdistill", "hispec-store", "hispec-curve", "hispec-tune", "hispec-serve",
-                  "hispec-bench-serve"):
+                  "hispec-bench-serve", "hispec-eval-heads"):
         import importlib
 
         module = {"hispec-selfdistill": "hispec_train.selfdistill", "hispec-store": "hispec_train.store",
                   "hispec-curve": "hispec_train.curve", "hispec-tune": "hispec_decode.tools.tune",
-                  "hispec-serve": "hispec_decode.tools.serve", "hispec-bench-serve": "hispec_decode.tools.bench_serve"}[prog]
+                  "hispec-serve": "hispec_decode.tools.serve", "hispec-bench-serve": "hispec_decode.tools.bench_serve",
+                  "hispec-eval-heads": "hispec_train.eval_heads"}[prog]
         importlib.import_module(module).build_parser().parse_args(args)
     elif prog == "hispec-train":
         overrides = parse_overrides(args)

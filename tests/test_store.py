@@ -233,8 +233,9 @@ def test_new_head_types_train_from_the_store_export_and_decode_losslessly(head_t
                                                                           tmp_path):
     from hispec_train.export import export
 
+    windows = "start" if head_type == "feature_attention" else "random"  # attention heads: whole sequences
     run = train(_store_cfg(trainable_base, store, tmp_path / "run", head_type=head_type, head_options=options,
-                           max_steps=20, eval_every=20, save_every=20, lr=1e-3))
+                           max_steps=20, eval_every=20, save_every=20, lr=1e-3, windows=windows))
     report = json.loads((run / "eval.json").read_text())
     last = report["history"][-1]
     for layer in (1, 3):
@@ -253,6 +254,15 @@ def test_new_head_types_train_from_the_store_export_and_decode_losslessly(head_t
         for method in ("self_spec", "hispec"):
             out = model.generate([prompt], max_new_tokens=24, method=method, window=3, num_draft=3)
             assert out.sequences[0] == ref[0, len(prompt):].tolist(), method
+    if head_type == "feature_attention":  # measured beside the untrained exits, as drafting needs it
+        from hispec_train.eval_heads import main as eval_main
+
+        assert eval_main(["--heads", str(tmp_path / "heads"), "--features", str(store), "--base", str(trainable_base),
+                          "--out", str(tmp_path / "cmp"), "--seq-len", "16"]) == 0
+        (result,) = json.loads((tmp_path / "cmp.json").read_text())
+        curve = result["curve"]["1"]
+        assert len(curve["acceptance_per_step"]) == 4 and curve["top4"] >= curve["top1"] > 0
+        assert result["rates"]["agreement_step1/L1"] == curve["top1"] and (tmp_path / "cmp.png").is_file()
 
 
 def test_layer_curve_from_a_run_with_heads_at_every_layer(store, trainable_base, tmp_path):

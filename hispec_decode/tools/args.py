@@ -31,24 +31,33 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "AMX kernels make it free; docs/batch-invariance.md)")
 
 
+OTHER_HEADS = "@b"  # a method spec ending in it runs with the benchmark's second adapter (--heads-b)
+
+
+def other_heads(spec: str) -> tuple[str, bool]:
+    """``method[:variant][@b]`` -> the spec without the suffix, and whether it runs on ``--heads-b``."""
+    return (spec[: -len(OTHER_HEADS)], True) if spec.endswith(OTHER_HEADS) else (spec, False)
+
+
 class ModelVariants:
     """The model a benchmark method spec runs on, loaded once each: ``METHOD:invariant`` on a
     batch-invariant copy, every other spec on the one ``--batch-invariant`` asks for (``None``: the
-    default, see ``HiSpecModel.from_pretrained``)."""
+    default, see ``HiSpecModel.from_pretrained``); ``METHOD@b`` with the second adapter."""
 
-    def __init__(self, load: typing.Callable[[bool | None], Any], batch_invariant: bool | None = None) -> None:
+    def __init__(self, load: typing.Callable[[bool | None, bool], Any], batch_invariant: bool | None = None) -> None:
         self.load, self.always, self.models = load, batch_invariant, {}
 
     def __call__(self, spec: str) -> Any:
+        spec, other = other_heads(spec)
         invariant = True if spec.partition(":")[2] == "invariant" else self.always
-        if invariant not in self.models:
-            self.models[invariant] = self.load(invariant)
-        return self.models[invariant]
+        if (invariant, other) not in self.models:
+            self.models[invariant, other] = self.load(invariant, other)
+        return self.models[invariant, other]
 
 
 def autoregressive_of(spec: str) -> str:
     """The autoregressive spec a method's output is compared with (the same numerics and sampling)."""
-    variant = spec.partition(":")[2]
+    variant = other_heads(spec)[0].partition(":")[2]
     return f"autoregressive:{variant}" if variant in ("invariant", "gumbel") else "autoregressive"
 
 
@@ -102,6 +111,7 @@ def variant_for(model: Any, spec: str, config: SpeculativeConfig) -> dict[str, A
     """:func:`method_variant` for ``model``: a fixed policy (``paper``, ``fixed``) runs on the adapter's
     own draft and intermediate exits, not on the layers its tuned policy may have moved to, unless
     the command line named the layers."""
+    spec = other_heads(spec)[0]
     overrides = method_variant(spec)
     variant = spec.partition(":")[2]
     if variant in ("paper", "fixed") and model.adapter is not None:
@@ -120,7 +130,7 @@ def method_variant(spec: str) -> dict[str, Any]:
     runs on the batch-invariant model, ``gumbel`` samples drafter-invariantly, ``chain`` drafts a
     single chain under the tuned policy, ``static`` draws a fixed tree of 5 nodes (width 4, depth 2),
     ``dynamic`` EAGLE-2's tree of 6 nodes (width 3, depth 2), on the tuned policy's exits and gates."""
-    method, _, variant = spec.partition(":")
+    method, _, variant = other_heads(spec)[0].partition(":")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} in {spec!r}; choose from {', '.join(METHODS)}")
     if variant in SCHEDULES:

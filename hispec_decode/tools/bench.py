@@ -29,8 +29,8 @@ from ..errors import HiSpecError
 from ..files import check_writable, save_figure, write_text
 from ..models.loading import parse_dtype
 from ..sampling_params import SamplingParams
-from .args import (POLICY_ARGS, SAMPLING_ARGS, ModelVariants, add_config_args, add_model_args, autoregressive_of,
-                   config_overrides, method_variant, variant_for)
+from .args import (OTHER_HEADS, POLICY_ARGS, SAMPLING_ARGS, ModelVariants, add_config_args, add_model_args,
+                   autoregressive_of, config_overrides, method_variant, variant_for)
 from .cli import add_debug_arg, positive_int, positive_int_list, run_cli
 from .profile_split import profile_split
 from .roofline import memory_bandwidth, roofline
@@ -116,8 +116,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
                                "num_prompts": args.num_prompts, "dtypes": {}}
     for dtype in args.dtypes.split(","):
-        models = ModelVariants(lambda invariant: HiSpecModel.from_pretrained(
-            args.base, args.heads, dtype=dtype, batch_invariant=invariant), args.batch_invariant)
+        models = ModelVariants(lambda invariant, other: HiSpecModel.from_pretrained(
+            args.base, args.heads_b if other else args.heads, dtype=dtype, batch_invariant=invariant),
+            args.batch_invariant)
         model = models("autoregressive")
         prompts = bench_prompts(model, args.num_prompts, args.prompts)
         sampling, config = bench_settings(args)
@@ -208,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "heads' reduced vocabulary), eager or gather (batched verification schedule), paper (N_i=4, "
                         "k_d=2, no confidence gates), fixed (k=1, N_i=2, no gates), chain (the tuned policy drafting a "
                         "chain), static (a fixed tree of 5 nodes, width 4, depth 2) or dynamic (EAGLE-2's tree of 6 "
-                        "nodes, width 3, depth 2); plain hispec/self_spec use the adapter's tuned policy")
+                        "nodes, width 3, depth 2); plain hispec/self_spec use the adapter's tuned policy; a spec "
+                        "ending in @b runs with the adapter of --heads-b (two adapters side by side)")
+    p.add_argument("--heads-b", default=None, help="a second adapter, for the methods ending in @b")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--num-prompts", type=positive_int, default=len(CHAT_PROMPTS))
     p.add_argument("--prompts", default="builtin", choices=PROMPT_SETS,
@@ -247,6 +250,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
                 method_variant(spec)
         except ValueError as exc:
             p.error(str(exc))
+        if spec.endswith(OTHER_HEADS) and args.heads_b is None:
+            p.error(f"--methods {spec}: a method ending in {OTHER_HEADS} runs on --heads-b, which is not given")
     for dtype in args.dtypes.split(","):
         try:
             parse_dtype(dtype)
@@ -348,8 +353,9 @@ def _batched(args: argparse.Namespace, default_num_prompts: int) -> int:
     results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "schedule": args.schedule,
                                "num_prompts": num_prompts, "max_batches": args.max_batches, "dtypes": {}}
     for dtype in args.dtypes.split(","):
-        models = ModelVariants(lambda invariant: HiSpecModel.from_pretrained(
-            args.base, args.heads, dtype=dtype, batch_invariant=invariant), args.batch_invariant)
+        models = ModelVariants(lambda invariant, other: HiSpecModel.from_pretrained(
+            args.base, args.heads_b if other else args.heads, dtype=dtype, batch_invariant=invariant),
+            args.batch_invariant)
         prompts = bench_prompts(models("autoregressive"), num_prompts, args.prompts)
         methods = [m for m in args.methods.split(",") if m]
         res = run_batched(models, prompts, sizes, *bench_settings(args), methods, args.schedule, args.max_batches)

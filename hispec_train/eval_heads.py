@@ -1,0 +1,129 @@
+"""``hispec-eval-heads``: adapters side by side on a feature store's held-out tokens, measured as drafting
+needs them.
+
+    hispec-eval-heads --heads hispec_decode/default_heads/smollm2-135m runs/feature-heads/checkpoint \\
+        --features runs/store-smollm2 --out docs/training/heads-compared [--seq-len 640] [--costs]
+
+Per adapter and head: top-1 and top-4 agreement with the final layer of the first draft after a
+verification, the acceptance of each position of a chain the head drafts alone (steps 1..4, each given
+that every earlier draft was right), the expected accepted length of such a chain, the calibration, and
+with ``--costs`` what one token's pass to the exit costs (layers and head) over a full decoding step on
+this machine. Writes ``OUT.json`` and ``OUT.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from hispec_decode.errors import HiSpecError
+from hispec_decode.files import save_figure, write_text
+from hispec_decode.tools.cli import add_debug_arg, positive_int, run_cli
+
+from .distill import DRAFT_STEPS, Agreement, agreement
+from .store_data import FeatureStore
+
+logger = logging.getLogger(__name__)
+
+
+def evaluate_adapter(heads_dir: str, features: str, base: str | None, seq_len: int, batch_size: int,
+                     max_tokens: int | None, costs: bool) -> dict[str, Any]:
+    """One adapter's measurements on the store's held-out split (module docstring)."""
+    from hispec_decode import HiSpecModel
+    from hispec_decode.adapter.fingerprint import compute_fingerprint
+
+    model = HiSpecModel.from_pretrained(base, heads_dir, dtype="bfloat16", pack_weights=False)
+    decoder, adapter = model.decoder, model.adapter
+    layers = sorted(e.layer for e in adapter.config.exits)
+    store = FeatureStore(features, layers, "eval", compute_fingerprint(model.base_model))
+    heads = {l: adapter.head(l).float().eval() for l in layers}
+    counts = Agreement()
+    batches = store.sequential(batch_size, seq_len, max_tokens)
+    with torch.no_grad():
+        for b in tqdm(batches, desc=f"evaluating {heads_dir}"):
+            agreement(decoder, heads, dict(zip(layers, b.hidden)), b.final, layers[0], layers[min(1, len(layers) - 1)],
+                      128, counts, b.valid, b.input_ids)
+    out: dict[str, Any] = {"heads": heads_dir, "tokens": counts.tokens, "rates": counts.rates(),
+                           "curve": {str(l): c for l, c in counts.curve().items()},
+                           "head_types": {str(e.layer): e.head_type for e in adapter.config.exits}}
+    if costs:
+        from hispec_decode.tuning.costs import measure_costs
+
+        timed = HiSpecModel.from_pretrained(base, heads_dir, dtype="bfloat16")
+        cost = measure_costs(timed.runner, layers)
+        full = cost.full_step(timed.num_layers, 1)
+        out["cost"] = {str(l): (cost.band(0, l, 1) + cost.exit(l, 1)) / full for l in layers}
+    return out
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Acceptance per draft position, one group of bars per adapter and exit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    bars = [(f"{Path(r['heads']).name or r['heads']} L{l} ({r['head_types'][l]})", c["acceptance_per_step"])
+            for r in results for l, c in r["curve"].items()]
+    width = 0.8 / max(1, len(bars))
+    for i, (label, acc) in enumerate(bars):
+        ax.bar([s + i * width for s in range(DRAFT_STEPS)], acc, width, label=label)
+    ax.set_xticks([s + 0.4 - width / 2 for s in range(DRAFT_STEPS)], [f"draft {s + 1}" for s in range(DRAFT_STEPS)])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accepted, given the earlier drafts were")
+    ax.set_title("held-out acceptance per draft position (greedy, against the final layer)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hispec-eval-heads", description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", nargs="+", required=True, help="adapter directories (or training checkpoints)")
+    p.add_argument("--features", required=True, help="a feature store holding the heads' layers")
+    p.add_argument("--out", required=True, help="output path without extension (OUT.json, OUT.png)")
+    p.add_argument("--base", help="the base (default: embedded SmolLM2)")
+    p.add_argument("--seq-len", type=positive_int, default=640, help="held-out windows (attention heads see this much)")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--max-tokens", type=positive_int, help="held-out tokens to use (default: all)")
+    p.add_argument("--costs", action="store_true", help="also time each exit's pass against a full step")
+    add_debug_arg(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    def run() -> int:
+        out = Path(args.out)
+        if out.suffix:
+            raise HiSpecError(f"--out is a path without extension (OUT.json and OUT.png are written); got {out}")
+        results = [evaluate_adapter(h, args.features, args.base, args.seq_len, args.batch_size, args.max_tokens,
+                                    args.costs) for h in args.heads]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_text(out.with_suffix(".json"), json.dumps(results, indent=2, sort_keys=True) + "\n")
+        plot(results, out.with_suffix(".png"))
+        for r in results:
+            for l, c in r["curve"].items():
+                acc = ", ".join(f"{a:.3f}" for a in c["acceptance_per_step"])
+                cost = f", cost {r['cost'][l]:.3f}" if "cost" in r else ""
+                print(f"{r['heads']} L{l} ({r['head_types'][l]}): top-1 {c['top1']:.3f}, top-4 {c['top4']:.3f}, "
+                      f"acceptance per draft [{acc}], chain {r['rates'][f'chain_accepted/L{l}']:.2f}{cost}")
+        print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+        return 0
+
+    return run_cli("hispec-eval-heads", run, args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
