@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from hispec_decode.errors import HiSpecError
-from hispec_decode.models.exit_heads import HEAD_TYPES, build_head
+from hispec_decode.models.head_types import HEAD_TYPES, build_head
 from hispec_decode.models import parse_dtype
 
 logger = logging.getLogger(__name__)

@@ -29,12 +29,13 @@ from .report import EVAL_NAME
 logger = logging.getLogger(__name__)
 
 
-def exit_costs(run_dir: Path, base: str | None, dtype: str) -> dict[int, float]:
-    """Per head layer: one token's pass to that exit, head included, over a full decoding step."""
+def exit_costs(heads: Path, base: str | None, dtype: str) -> dict[int, float]:
+    """Per head layer of the adapter (or checkpoint) ``heads``: one token's pass to that exit, head
+    included, over a full decoding step, measured on this machine."""
     from hispec_decode import HiSpecModel
     from hispec_decode.tuning.costs import measure_costs
 
-    model = HiSpecModel.from_pretrained(base, str(run_dir / CHECKPOINT_DIR), dtype=dtype)
+    model = HiSpecModel.from_pretrained(base, str(heads), dtype=dtype)
     layers = sorted(e.layer for e in model.adapter.config.exits)
     costs = measure_costs(model.runner, layers)
     full = costs.full_step(model.num_layers, 1)
@@ -50,7 +51,7 @@ def build_curve(run_dir: Path, base: str | None, dtype: str) -> dict[str, Any]:
     if not curve:
         raise HiSpecError(f"{path} has no per-layer curve (written by this version's evaluations)")
     train_cfg = json.loads((run_dir / "train_config.json").read_text())
-    costs = exit_costs(run_dir, base if base is not None else train_cfg.get("base"), dtype)
+    costs = exit_costs(run_dir / CHECKPOINT_DIR, base if base is not None else train_cfg.get("base"), dtype)
     last = report["history"][-1]
     layers = {}
     for layer, entry in sorted(curve.items(), key=lambda kv: int(kv[0])):

@@ -54,12 +54,9 @@ def evaluate_adapter(heads_dir: str, features: str, base: str | None, seq_len: i
                            "curve": {str(l): c for l, c in counts.curve().items()},
                            "head_types": {str(e.layer): e.head_type for e in adapter.config.exits}}
     if costs:
-        from hispec_decode.tuning.costs import measure_costs
+        from .curve import exit_costs
 
-        timed = HiSpecModel.from_pretrained(base, heads_dir, dtype="bfloat16")
-        cost = measure_costs(timed.runner, layers)
-        full = cost.full_step(timed.num_layers, 1)
-        out["cost"] = {str(l): (cost.band(0, l, 1) + cost.exit(l, 1)) / full for l in layers}
+        out["cost"] = {str(l): c for l, c in exit_costs(Path(heads_dir), base, "bfloat16").items()}
     return out
 
 

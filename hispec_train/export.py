@@ -24,7 +24,7 @@ import torch
 
 from hispec_decode.adapter import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, HiSpecAdapter, HiSpecAdapterConfig
 from hispec_decode.models import decoder_for
-from hispec_decode.models.exit_heads import head_class
+from hispec_decode.models.head_types import head_class
 from hispec_decode.models import LoadedBase, load_base
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import atomic_directory, check_writable, is_temporary

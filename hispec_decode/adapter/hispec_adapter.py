@@ -25,7 +25,8 @@ from torch import nn
 
 from ..errors import AdapterError
 from ..files import atomic_file, clean_stale
-from ..models.exit_heads import ExitHead, build_head, check_vocab, head_class
+from ..models.exit_heads import ExitHead, check_vocab
+from ..models.head_types import build_head, head_class
 from .config import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, ExitHeadConfig, HiSpecAdapterConfig
 from .fingerprint import compute_fingerprint
 
