@@ -31,12 +31,18 @@ def heads_dtype(heads: list[ExitHead], default: torch.dtype) -> torch.dtype:
     return next((p.dtype for head in heads for p in head.parameters()), default)
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def _chunk_losses(decoder: DecoderModel, heads: list[ExitHead], cfg: LossConfig, teacher_hidden: torch.Tensor,
                   labels: torch.Tensor, valid: torch.Tensor, *hidden: torch.Tensor) -> torch.Tensor:
     """Summed (over valid tokens) loss of every head on one chunk; shapes [B, c, H] -> [n_heads].
 
     With ``exit_vocab``, a head restricted to a vocabulary V learns the teacher renormalised over
     V (``[B, c, |V|]`` logits instead of the full vocabulary: what it can ever draft)."""
+    teacher_hidden, labels, valid = teacher_hidden.flatten(0, 1), labels.flatten(), valid.flatten()
+    hidden = tuple(h.flatten(0, 1) for h in hidden)  # [n = B*c, H]: 2-d inputs (a 3-d slice costs a weight copy)
     teachers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def teacher(vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,17 +51,20 @@ def _chunk_losses(decoder: DecoderModel, heads: list[ExitHead], cfg: LossConfig,
             with torch.no_grad():
                 logits = decoder.lm_logits(teacher_hidden) if vocab is None else \
                     decoder.vocab_logits(teacher_hidden, vocab, compact=True)
-                log_p = F.log_softmax(logits.float() / cfg.temperature, dim=-1)  # [B, c, V or |V|]
-                teachers[key] = log_p, log_p.exp()
+                log_p = F.log_softmax(_scaled(logits.float(), cfg.temperature), dim=-1)  # [n, V or |V|]
+                p = log_p.exp()
+                teachers[key] = torch.linalg.vecdot(p, log_p), p  # [n]: -entropy, [n, V]
         return teachers[key]
 
     losses = []
     for head, h in zip(heads, hidden):
         vocab = head.vocab if cfg.exit_vocab else None
-        student = head.project(h, decoder, restrict=vocab is not None, compact=True).float()  # [B, c, V or |V|]
-        log_p_t, p_t = teacher(vocab)
-        log_p_s = F.log_softmax(student / cfg.temperature, dim=-1)
-        kl = (p_t * (log_p_t - log_p_s)).sum(-1)  # [B, c]: KL(teacher || head)
+        student = head.project(h, decoder, restrict=vocab is not None, compact=True).float()  # [n, V or |V|]
+        neg_entropy, p_t = teacher(vocab)
+        s = _scaled(student, cfg.temperature)
+        # KL(teacher || head) = sum p_t log p_t - sum p_t s + logsumexp(s): no [n, V] log-softmax is
+        # kept, and the backward pass is softmax(s) - p_t in two passes over the logits
+        kl = neg_entropy - torch.linalg.vecdot(p_t, s) + torch.logsumexp(s, dim=-1)  # [n]
         loss = (kl * valid).sum() * cfg.temperature**2
         if cfg.ce_weight:
             target = labels

@@ -43,6 +43,7 @@ from hispec_decode.files import atomic_file, check_writable, is_temporary, remov
 from hispec_decode.models import parse_dtype
 from hispec_decode.tools.cli import add_debug_arg, positive_int, positive_int_list, run_cli
 
+from .allocator import keep_freed_memory
 from .data import check_dataset
 
 logger = logging.getLogger(__name__)
@@ -248,6 +249,8 @@ def build_store(cfg: StoreConfig) -> StoreManifest:
     before ``--overwrite`` removes the old store or anything is written."""
     from hispec_decode.adapter.fingerprint import compute_fingerprint, fingerprints_match
     from hispec_decode.models import decoder_for, load_base
+
+    keep_freed_memory()  # the base's long-sequence temporaries are reused, not page-faulted anew
 
     if sorted(set(cfg.layers)) != cfg.layers:
         raise HiSpecError(f"--layers must be increasing exits; got {cfg.layers}")

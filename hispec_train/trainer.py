@@ -27,6 +27,7 @@ from hispec_decode.files import check_writable, remove_tree, write_text
 from hispec_decode.models.exit_heads import BaseExitHead
 from hispec_decode.models import DecoderModel, decoder_for, load_base
 
+from .allocator import keep_freed_memory
 from .checkpoint import CHECKPOINT_DIR, checkpoint_step, load_heads, load_optimizer, save_checkpoint
 from .config import TrainConfig
 from .data import PackedData, build_dataset, check_dataset
@@ -212,6 +213,7 @@ def check_data_source(cfg: TrainConfig) -> None:
 
 def train(cfg: TrainConfig) -> Path:
     run_dir = Path(cfg.output_dir)
+    keep_freed_memory()  # large per-step temporaries are reused, not page-faulted anew
     check_data_source(cfg)  # before minutes of loading, and before anything is created
     check_run_dir(cfg)
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=cfg.mixed_precision,

@@ -206,8 +206,10 @@ def test_heads_train_from_the_store_and_resume_identically(store, trainable_base
         train(_store_cfg(trainable_base, store, tmp_path / "bad", heads_layers="1,2,4"))
 
 
-def test_exit_vocabulary_loss_is_kl_over_the_vocabulary(store, trainable_base):
-    """With loss_vocab=exit, the loss is KL(teacher renormalised over V || head over V)."""
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_exit_vocabulary_loss_is_kl_over_the_vocabulary(temperature, store, trainable_base):
+    """With loss_vocab=exit, the loss is T^2 KL(teacher renormalised over V || head over V), at
+    temperature T, and so is its gradient (the loss is computed as -H(p) - p.s + logsumexp(s))."""
     loaded = load_base(str(trainable_base))
     decoder = decoder_for(loaded.model, pack_weights=False)
     fs = FeatureStore(store, [1], "train")
@@ -216,13 +218,19 @@ def test_exit_vocabulary_loss_is_kl_over_the_vocabulary(store, trainable_base):
     adapter = HiSpecAdapter.create(decoder, "tiny", [__import__("hispec_decode").ExitSpec(1, "draft", "residual_linear")])
     head = adapter.head(1)
     head.set_vocab(vocab)
-    loss = distillation_loss(decoder, [head], batch.hidden, batch.final, batch.input_ids, LossConfig(exit_vocab=True),
-                             batch.valid)
-    teacher = F.log_softmax(decoder.lm_logits(batch.final)[..., vocab], -1)
-    student = F.log_softmax(head(batch.hidden[0], decoder)[..., vocab], -1)
-    kl = (teacher.exp() * (teacher - student)).sum(-1)
+    with torch.no_grad():
+        next(head.parameters()).normal_(0, 0.05)  # away from the zero init, so the gradient is not trivial
+    params = [p for p in head.parameters() if p.requires_grad]
+    cfg = LossConfig(temperature=temperature, exit_vocab=True)
+    loss = distillation_loss(decoder, [head], batch.hidden, batch.final, batch.input_ids, cfg, batch.valid)
+    grads = torch.autograd.grad(loss.sum(), params)
+    teacher = F.log_softmax(decoder.lm_logits(batch.final)[..., vocab] / temperature, -1)
+    student = F.log_softmax(head(batch.hidden[0], decoder)[..., vocab] / temperature, -1)
+    kl = (teacher.exp() * (teacher - student)).sum(-1) * temperature**2
     expected = (kl * batch.valid).sum() / batch.valid.sum()
     torch.testing.assert_close(loss[0], expected, atol=1e-5, rtol=1e-4)
+    for got, want in zip(grads, torch.autograd.grad(expected, params)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
     full = distillation_loss(decoder, [head], batch.hidden, batch.final, batch.input_ids, LossConfig(), batch.valid)
     assert not torch.allclose(full, loss)  # the full-vocabulary loss is another quantity
 

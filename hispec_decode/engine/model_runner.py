@@ -163,7 +163,7 @@ class ModelRunner:
         out: list[dict[int, torch.Tensor]] = [{} for _ in seqs]
         zero = self.decoder.lm_head.weight.new_zeros(head.context_size)
         while any(todo):
-            wave = []  # (k, first slot, [(slot, context, exact)])
+            wave = []  # (k, [(slot, context, exact)]): each sequence's rows of this wave
             for k, (st, slots) in enumerate(zip(seqs, todo)):
                 rows, pending = [], set(slots)
                 for p in slots:
