@@ -22,10 +22,13 @@ from typing import Any
 
 import torch
 
-from hispec_decode.adapter import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, HiSpecAdapter, HiSpecAdapterConfig
+from hispec_decode.adapter import (CONFIG_NAME, MODEL_CARD_NAME, VLLM_BASE_CONFIG_NAME, WEIGHTS_NAME, HiSpecAdapter,
+                                   HiSpecAdapterConfig)
 from hispec_decode.models import decoder_for
 from hispec_decode.models.head_types import head_class
 from hispec_decode.models import LoadedBase, load_base
+from hispec_decode.models.loading import default_base_dir
+from hispec_vllm.draft import base_config_for_vllm
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import atomic_directory, check_writable, is_temporary
 from hispec_decode.tools.cli import add_debug_arg, non_negative_int, run_cli
@@ -138,7 +141,7 @@ def restrict_vocab(adapter: HiSpecAdapter, cfg: TrainConfig, loaded: LoadedBase,
     return {"size": size, "coverage": vocab.coverage, "agreement": rates}
 
 
-EXPORT_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME, MODEL_CARD_NAME})
+EXPORT_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME, MODEL_CARD_NAME, VLLM_BASE_CONFIG_NAME})
 
 
 def check_out_dir(run_dir: Path, out: Path, overwrite: bool = False) -> None:
@@ -179,10 +182,24 @@ def export(run_dir: Path, out: Path, exit_vocab_size: int = 0, overwrite: bool =
         report["exit_vocab"] = restrict_vocab(adapter, cfg, loaded, exit_vocab_size)
     steps = checkpoint_step(run_dir)
     adapter.config.training["steps"] = steps
+    base_config = _base_config(cfg.base, loaded)
     with atomic_directory(out) as tmp:
         adapter.save_pretrained(tmp)
         (tmp / MODEL_CARD_NAME).write_text(model_card(adapter, report, steps))
+        (tmp / VLLM_BASE_CONFIG_NAME).write_text(json.dumps(base_config_for_vllm(base_config), indent=2, sort_keys=True))
     return adapter
+
+
+def _base_config(base: str | None, loaded: LoadedBase | None) -> dict[str, Any]:
+    """The base's Hugging Face config (for vLLM's drafter), read without loading its weights where possible."""
+    if loaded is not None:
+        return loaded.model.config.to_dict()
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(default_base_dir() if base is None else base)).to_dict()
+    except Exception:  # a GGUF file or a LoRA directory: their config comes with the model
+        return load_base(base, "float32").model.config.to_dict()
 
 
 def build_parser() -> argparse.ArgumentParser:

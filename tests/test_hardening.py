@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hispec_decode import CONFIG_NAME, WEIGHTS_NAME, AdapterError, HiSpecAdapter, HiSpecError, files
+from hispec_decode.adapter import VLLM_BASE_CONFIG_NAME
 from hispec_decode.models import loading
 from hispec_decode.tools import bench
 from hispec_decode.tools import generate as generate_cli
@@ -51,7 +52,7 @@ def test_export_refuses_a_directory_with_other_files_and_keeps_them(run_dir, tmp
     (out / "notes.txt").unlink()
     assert export_main([str(run_dir), "--out", str(out)]) == 2  # only a look-alike left: still not ours
     assert export_main([str(run_dir), "--out", str(out), "--overwrite"]) == 0  # said explicitly: replaced
-    assert set(_tree(out)) == {CONFIG_NAME, WEIGHTS_NAME, "README.md"}
+    assert set(_tree(out)) == {CONFIG_NAME, WEIGHTS_NAME, "README.md", VLLM_BASE_CONFIG_NAME}
 
 
 def test_export_never_touches_the_run_directory(run_dir, capsys):

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hispec_decode import CONFIG_NAME, WEIGHTS_NAME, FingerprintMismatchError, HiSpecAdapter, HiSpecError, HiSpecModel
+from hispec_decode.adapter import VLLM_BASE_CONFIG_NAME
+from hispec_vllm import DRAFT_ARCHITECTURE, build_draft_dir
 from hispec_decode.models import decoder_for
 from hispec_decode.models.loading import load_base
 from hispec_train import trainer as trainer_mod
@@ -103,7 +106,17 @@ def _specs(adapter):
 def test_export_round_trip_and_lossless_decoding(trained_run, trainable_base, tmp_path):
     out = tmp_path / "heads"
     adapter = export(trained_run, out)
-    assert sorted(p.name for p in out.iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME, "README.md"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME, "README.md", VLLM_BASE_CONFIG_NAME])
+    # what vLLM's drafter needs (hispec_vllm, torch-free part): the base's config cut to the draft exit
+    draft = build_draft_dir(out, tmp_path / "vllm-draft")
+    config = json.loads((draft / "config.json").read_text())
+    base_config = HiSpecModel.from_pretrained(str(trainable_base)).base_model.config
+    assert config["architectures"] == [DRAFT_ARCHITECTURE] and config["num_hidden_layers"] == 1  # L_d = 1
+    assert config["hidden_size"] == base_config.hidden_size and config["num_attention_heads"] == base_config.num_attention_heads
+    assert config["hispec_draft"]["target_num_hidden_layers"] == base_config.num_hidden_layers
+    with safe_open(str(draft / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert torch.equal(tensors["hispec_head.proj.weight"], adapter.state_dict_flat()["1.proj.weight"])
     loaded = HiSpecAdapter.from_pretrained(out)
     a, b = adapter.state_dict_flat(), loaded.state_dict_flat()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "hispec_config.json"
 WEIGHTS_NAME = "hispec_heads.safetensors"
 MODEL_CARD_NAME = "README.md"
+VLLM_BASE_CONFIG_NAME = "vllm_base_config.json"  # the base's HF config, for hispec_vllm's drafter (hispec-export)
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 ROLES = ("draft", "intermediate", "extra")

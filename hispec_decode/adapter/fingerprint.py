@@ -25,7 +25,8 @@ def _first_matrix(module: nn.Module) -> torch.Tensor:
     return next(p for p in module.parameters() if p.dim() == 2)
 
 
-def _sample(t: torch.Tensor) -> list[float]:
+def sample_values(t: torch.Tensor) -> list[float]:
+    """SAMPLES_PER_TENSOR values of ``t`` at fixed, evenly spaced flat indices (a signature's part)."""
     flat = t.detach().reshape(-1)
     n = flat.numel()
     idx = torch.tensor([i * (n - 1) // (SAMPLES_PER_TENSOR - 1) for i in range(SAMPLES_PER_TENSOR)])
@@ -44,7 +45,7 @@ def compute_fingerprint(model: nn.Module) -> dict[str, Any]:
         model.get_output_embeddings().weight,
     ]
     fp: dict[str, Any] = {k: getattr(cfg, k) for k in SHAPE_KEYS}
-    fp["signature"] = [x for t in tensors for x in _sample(t)]
+    fp["signature"] = [x for t in tensors for x in sample_values(t)]
     return fp
 
 

@@ -27,7 +27,7 @@ from ..errors import AdapterError
 from ..files import atomic_file, clean_stale
 from ..models.exit_heads import ExitHead, check_vocab
 from ..models.head_types import build_head, head_class
-from .config import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, ExitHeadConfig, HiSpecAdapterConfig
+from .config import CONFIG_NAME, MODEL_CARD_NAME, VLLM_BASE_CONFIG_NAME, WEIGHTS_NAME, ExitHeadConfig, HiSpecAdapterConfig
 from .fingerprint import compute_fingerprint
 
 if TYPE_CHECKING:
@@ -165,7 +165,8 @@ def _resolve(source: str | os.PathLike, revision: str | None) -> Path:
         from huggingface_hub import snapshot_download
 
         try:
-            return Path(snapshot_download(str(source), revision=revision, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, MODEL_CARD_NAME]))
+            return Path(snapshot_download(str(source), revision=revision, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, MODEL_CARD_NAME,
+                                                                                   VLLM_BASE_CONFIG_NAME]))
         except Exception as exc:  # network, auth, missing repo: all end here
             raise AdapterError(f"could not fetch adapter {source!r} from the Hub: {exc}") from exc
     raise AdapterError(f"adapter {str(source)!r} not found (neither a local directory nor a Hub repo id)")
