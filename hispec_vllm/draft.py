@@ -89,6 +89,10 @@ def build_draft_dir(heads: str | os.PathLike | None = None, out: str | os.PathLi
     """Write (or find, if already written) the draft directory for ``heads`` (an adapter directory or
     Hub id; None: the embedded default heads) and return its path. ``out``: where (default: a
     directory under ``$HISPEC_VLLM_DIR`` or ``~/.cache/hispec/vllm`` named by the content)."""
+    return _build(heads, out)[0]
+
+
+def _build(heads: str | os.PathLike | None, out: str | os.PathLike | None) -> tuple[Path, HiSpecAdapterConfig]:
     src = default_heads_dir() if heads is None else _resolve(heads, None)
     adapter = HiSpecAdapterConfig.from_pretrained(src)
     base_file = src / VLLM_BASE_CONFIG_NAME
@@ -111,11 +115,11 @@ def build_draft_dir(heads: str | os.PathLike | None = None, out: str | os.PathLi
         digest.update(k.encode() + mine[k].numpy().tobytes())
     target = Path(out) if out is not None else cache_root() / digest.hexdigest()[:16]
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file() and out is None:
-        return target  # written before: the name is the content
+        return target, adapter  # written before: the name is the content
     with atomic_directory(target) as tmp:
         write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True))
         save_file(mine, str(tmp / "model.safetensors"), metadata={"format": "pt", "hispec_adapter": CONFIG_NAME})
-    return target
+    return target, adapter
 
 
 def speculative_config(heads: str | os.PathLike | None = None, num_speculative_tokens: int | None = None) -> dict[str, Any]:
@@ -125,8 +129,7 @@ def speculative_config(heads: str | os.PathLike | None = None, num_speculative_t
     adapter's tuned policy)."""
     if num_speculative_tokens is not None and (not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1):
         raise ValueError(f"num_speculative_tokens must be a positive integer; got {num_speculative_tokens!r}")
-    path = build_draft_dir(heads)
-    adapter = HiSpecAdapterConfig.from_pretrained(default_heads_dir() if heads is None else _resolve(heads, None))
+    path, adapter = _build(heads, None)
     k = num_speculative_tokens or speculative_tokens(adapter)
     return {"method": "eagle", "model": str(path), "num_speculative_tokens": k}
 
