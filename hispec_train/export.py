@@ -23,12 +23,11 @@ from typing import Any
 import torch
 
 from hispec_decode.adapter import (CONFIG_NAME, MODEL_CARD_NAME, VLLM_BASE_CONFIG_NAME, WEIGHTS_NAME, HiSpecAdapter,
-                                   HiSpecAdapterConfig)
+                                   HiSpecAdapterConfig, vllm_base_config)
 from hispec_decode.models import decoder_for
 from hispec_decode.models.head_types import head_class
 from hispec_decode.models import LoadedBase, load_base
 from hispec_decode.models.loading import default_base_dir
-from hispec_vllm.draft import base_config_for_vllm
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import atomic_directory, check_writable, is_temporary
 from hispec_decode.tools.cli import add_debug_arg, non_negative_int, run_cli
@@ -186,7 +185,7 @@ def export(run_dir: Path, out: Path, exit_vocab_size: int = 0, overwrite: bool =
     with atomic_directory(out) as tmp:
         adapter.save_pretrained(tmp)
         (tmp / MODEL_CARD_NAME).write_text(model_card(adapter, report, steps))
-        (tmp / VLLM_BASE_CONFIG_NAME).write_text(json.dumps(base_config_for_vllm(base_config), indent=2, sort_keys=True))
+        (tmp / VLLM_BASE_CONFIG_NAME).write_text(json.dumps(vllm_base_config(base_config), indent=2, sort_keys=True))
     return adapter
 
 

@@ -27,6 +27,7 @@ from hispec_decode.adapter import CONFIG_NAME, VLLM_BASE_CONFIG_NAME, WEIGHTS_NA
 from hispec_decode.adapter.hispec_adapter import _resolve
 from hispec_decode.errors import AdapterError
 from hispec_decode.files import atomic_directory, write_text
+from hispec_decode.models.loading import hispec_home
 
 DRAFT_ARCHITECTURE = "EagleHiSpecForCausalLM"  # "Eagle..." so vLLM's EAGLE config keeps the name
 DRAFT_CONFIG_KEY = "hispec_draft"
@@ -35,12 +36,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # decoder layers the drafte
 SUPPORTED_HEAD_TYPES = ("norm", "residual_linear", "deep_context")  # pointwise heads: no cache of their own
 DEFAULT_SPECULATIVE_TOKENS = 1  # an adapter without a tuned policy
 CACHE_ENV = "HISPEC_VLLM_DIR"
-
-
-def base_config_for_vllm(base_config: dict[str, Any]) -> dict[str, Any]:
-    """What ``hispec-export`` writes as :data:`VLLM_BASE_CONFIG_NAME`: the base's HF config dict."""
-    keep = {k: v for k, v in base_config.items() if not k.startswith("_")}
-    return json.loads(json.dumps(keep, default=str))
 
 
 def draft_config(adapter: HiSpecAdapterConfig, base_config: dict[str, Any]) -> dict[str, Any]:
@@ -82,13 +77,13 @@ def speculative_tokens(adapter: HiSpecAdapterConfig, dtype: str = "bfloat16") ->
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hispec" / "vllm")
+    return Path(os.environ.get(CACHE_ENV) or hispec_home() / "vllm")
 
 
 def build_draft_dir(heads: str | os.PathLike | None = None, out: str | os.PathLike | None = None) -> Path:
     """Write (or find, if already written) the draft directory for ``heads`` (an adapter directory or
     Hub id; None: the embedded default heads) and return its path. ``out``: where (default: a
-    directory under ``$HISPEC_VLLM_DIR`` or ``~/.cache/hispec/vllm`` named by the content)."""
+    directory under ``$HISPEC_VLLM_DIR`` or ``$HISPEC_HOME/vllm`` named by the content)."""
     return _build(heads, out)[0]
 
 

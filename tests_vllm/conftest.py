@@ -19,9 +19,8 @@ import torch  # noqa: E402
 
 vllm = pytest.importorskip("vllm")
 
-from hispec_decode.adapter import VLLM_BASE_CONFIG_NAME, ExitSpec, HiSpecAdapter  # noqa: E402
+from hispec_decode.adapter import VLLM_BASE_CONFIG_NAME, ExitSpec, HiSpecAdapter, vllm_base_config  # noqa: E402
 from hispec_decode.models import decoder_for  # noqa: E402
-from hispec_vllm.draft import base_config_for_vllm  # noqa: E402
 
 DRAFT_LAYER = 2
 LAYERS = 4
@@ -73,7 +72,7 @@ def save_heads(model: torch.nn.Module, out: Path, reject: bool = False, exit_voc
     if exit_vocab is not None:
         head.set_vocab(exit_vocab)
     adapter.save_pretrained(out)
-    (out / VLLM_BASE_CONFIG_NAME).write_text(json.dumps(base_config_for_vllm(model.config.to_dict())))
+    (out / VLLM_BASE_CONFIG_NAME).write_text(json.dumps(vllm_base_config(model.config.to_dict())))
     return out
 
 

@@ -2,9 +2,9 @@
 their config, and the fingerprint that ties them to that base."""
 
 from .config import (CONFIG_NAME, FORMAT_VERSION, MODEL_CARD_NAME, VLLM_BASE_CONFIG_NAME, WEIGHTS_NAME, ExitHeadConfig,
-                     HiSpecAdapterConfig)
+                     HiSpecAdapterConfig, vllm_base_config)
 from .fingerprint import compute_fingerprint, fingerprint_id, fingerprints_match
 from .hispec_adapter import ExitSpec, HiSpecAdapter
 
-__all__ = ["CONFIG_NAME", "FORMAT_VERSION", "MODEL_CARD_NAME", "WEIGHTS_NAME", "ExitHeadConfig", "ExitSpec",
-           "HiSpecAdapter", "HiSpecAdapterConfig", "compute_fingerprint", "fingerprint_id", "fingerprints_match"]
+__all__ = ["CONFIG_NAME", "FORMAT_VERSION", "MODEL_CARD_NAME", "VLLM_BASE_CONFIG_NAME", "WEIGHTS_NAME", "ExitHeadConfig", "ExitSpec",
+           "HiSpecAdapter", "HiSpecAdapterConfig", "compute_fingerprint", "fingerprint_id", "fingerprints_match", "vllm_base_config"]

@@ -136,6 +136,12 @@ class HiSpecAdapterConfig:
         return chosen
 
 
+def vllm_base_config(base_config: dict[str, Any]) -> dict[str, Any]:
+    """What ``hispec-export`` writes as :data:`VLLM_BASE_CONFIG_NAME`: the base's HF config dict, JSON-clean."""
+    keep = {k: v for k, v in base_config.items() if not k.startswith("_")}
+    return json.loads(json.dumps(keep, default=str))
+
+
 def _migrate(data: dict[str, Any]) -> dict[str, Any]:
     """Bring an older format's keys up to :data:`FORMAT_VERSION`."""
     version = data.get("format_version", FORMAT_VERSION)
