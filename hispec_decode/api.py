@@ -25,7 +25,18 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 NO_HEADS = "none"
-DEFAULT_HEADS_DIR = Path(__file__).parent / "default_heads" / "smollm2-135m"  # trained by recipes/smollm2-135m.yaml
+DEFAULT_HEADS_ROOT = Path(__file__).parent / "default_heads"
+DEFAULT_HEADS_DIR = DEFAULT_HEADS_ROOT / "smollm2-135m"  # trained by recipes/smollm2-135m.yaml
+
+
+def default_heads_for(base: str | os.PathLike | None) -> Path | None:
+    """The trained heads HiSpec ships for ``base`` (None: the embedded default; or a packaged base's
+    alias, e.g. ``gemma3-270m``: ``default_heads/<alias>``), None for any other base."""
+    from .models.loading import DEFAULT_BASE, PACKAGED_BASES
+
+    alias = DEFAULT_BASE.alias if base is None else str(base)
+    path = DEFAULT_HEADS_ROOT / alias
+    return path if alias in PACKAGED_BASES and path.is_dir() else None
 
 
 class HiSpecModel:
@@ -52,10 +63,11 @@ class HiSpecModel:
         pack_weights: bool = True,
         batch_invariant: bool | None = None,
     ) -> HiSpecModel:
-        """Load a base (``None``: the embedded SmolLM2-135M-Instruct) and optional heads
-        (a local adapter directory or a Hub repo id; ``revision`` applies to the heads).
-        With ``base=None`` and ``heads=None`` the trained default heads shipped with HiSpec are
-        used; ``heads="none"`` forces the untrained exits (the base's norm + LM head).
+        """Load a base (``None``: the embedded SmolLM2-135M-Instruct; ``"gemma3-270m"``: Gemma-3-270M
+        from its PyPI packages; or a Hub id, directory, ``.gguf``) and optional heads (a local adapter
+        directory or a Hub repo id; ``revision`` applies to the heads). With ``heads=None`` a packaged
+        base gets the trained default heads shipped with HiSpec for it (:func:`default_heads_for`);
+        ``heads="none"`` forces the untrained exits (the base's norm + LM head).
 
         ``pack_weights``: on CPU, keep packed copies of the linear weights for the fast kernels
         (about 2x faster decoding for a second copy of those weights in memory).
@@ -66,8 +78,8 @@ class HiSpecModel:
         ``autoregressive`` output token for token, and batched rows equal the same prompts decoded
         alone (docs/batch-invariance.md). ``None`` (the default): on where it costs nothing
         measurable, bf16 on a CPU with the compiled AMX kernels; off elsewhere."""
-        if heads is None and base is None and DEFAULT_HEADS_DIR.is_dir():
-            heads = DEFAULT_HEADS_DIR
+        if heads is None:
+            heads = default_heads_for(base)
         if heads is not None and str(heads).lower() == NO_HEADS:
             heads = None
         loaded = load_base(base, dtype)

@@ -30,7 +30,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from hispec_decode.data.prompts import encode_prompt, evaluation_prompts, humaneval_problems, sharegpt_first_turns
+from hispec_decode.data.prompts import (CHAT_FREE, continuation_texts, encode_prompt, evaluation_prompts, humaneval_problems,
+                                        sharegpt_first_turns)
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import check_writable, is_temporary, remove_tree, write_text
 from hispec_decode.tools.cli import add_debug_arg, positive_int, run_cli
@@ -40,7 +41,7 @@ from .selfdistill_shards import Shard, check_shards, next_index, write_shard
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "hispec_selfdistill.json"
-PROMPT_SOURCES = ("sharegpt", "humaneval")
+PROMPT_SOURCES = ("sharegpt", "humaneval", "continuation")  # continuation: plain text, no chat template (base models)
 RESUME_KEYS = ("base", "dtype", "prompts", "max_new_tokens", "temperature", "top_p", "seed", "max_prompt_tokens")
 
 
@@ -49,7 +50,7 @@ class SelfDistillConfig:
     out: str
     base: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     dtype: str = "bfloat16"
-    prompts: list[str] = field(default_factory=lambda: list(PROMPT_SOURCES))
+    prompts: list[str] = field(default_factory=lambda: ["sharegpt", "humaneval"])
     max_tokens: int = 2_000_000  # new (answer) tokens to write
     max_new_tokens: int = 384
     max_prompt_tokens: int = 1024
@@ -117,6 +118,8 @@ def collect_prompts(sources: list[str]) -> list[tuple[str, str]]:
             texts = list(sharegpt_first_turns(4000))
         elif source == "humaneval":
             texts = humaneval_problems()
+        elif source == "continuation":
+            texts = list(continuation_texts())
         else:
             texts = local_prompts(source)
         for text in texts:
@@ -248,7 +251,7 @@ def generate(cfg: SelfDistillConfig) -> Path:
             job = next(queue, None)
             if job is None:
                 return
-            ids = encode_prompt(tok, job.text)
+            ids = encode_prompt(tok, job.text, chat=job.source not in CHAT_FREE)
             if len(ids) > cfg.max_prompt_tokens:
                 skipped += 1
                 continue

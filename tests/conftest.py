@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
 
 from hispec_decode import HiSpecModel, files
 from hispec_decode.decoding.sampling import SamplingParams, warp
@@ -44,6 +44,13 @@ def tiny_configs() -> dict[str, object]:
         "qwen3": Qwen3Config(**COMMON, **LLAMA_LIKE, head_dim=16),
         "opt": OPTConfig(**COMMON, ffn_dim=96, word_embed_proj_dim=32),  # pre-LN, project_in/out
         "opt-post-ln": OPTConfig(**COMMON, ffn_dim=96, do_layer_norm_before=False),
+        # local layers (window 8, shorter than most prompts + outputs here) and a global one every third
+        # layer, each with its rotary base; one K/V head; a query scale unlike head_dim ** -0.5; tied
+        "gemma3": Gemma3TextConfig(**COMMON, intermediate_size=96, num_key_value_heads=1, head_dim=16,
+                                   sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=24,
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1000000.0}}),
     }
 
 
@@ -283,20 +290,31 @@ def chi_square(counts: dict, expected: dict, total: int) -> tuple[float, int]:
 SAMPLE_PROMPT = [3, 1, 4]
 
 
-@pytest.fixture(scope="session")
-def small_vocab_model(tmp_path_factory):
+SMALL_VOCAB = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                   max_position_embeddings=32, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _small_vocab(cfg, directory: Path):
     torch.manual_seed(5)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=32, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=None)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(3.0)
-    path = tmp_path_factory.mktemp("small-vocab")
-    model.save_pretrained(path)
-    return path, model
+    model.save_pretrained(directory)
+    return directory, model
+
+
+@pytest.fixture(scope="session")
+def small_vocab_model(tmp_path_factory):
+    return _small_vocab(LlamaConfig(**SMALL_VOCAB, num_key_value_heads=2), tmp_path_factory.mktemp("small-vocab"))
+
+
+@pytest.fixture(scope="session")
+def small_vocab_gemma(tmp_path_factory):
+    """Gemma 3 with 8 tokens; local layers see 2 positions, so the 3-token prompt is already past it."""
+    cfg = Gemma3TextConfig(**SMALL_VOCAB, num_key_value_heads=1, head_dim=8, sliding_window=2, sliding_window_pattern=2)
+    return _small_vocab(cfg, tmp_path_factory.mktemp("small-vocab-gemma"))
 
 
 def assert_first_two_tokens_follow(sequences: list[list[int]], model, params: SamplingParams) -> None:

@@ -92,6 +92,19 @@ def test_end_to_end_samples_follow_base_distribution(small_vocab_model, params, 
     assert_first_two_tokens_follow(out.sequences, reference, params)
 
 
+@pytest.mark.parametrize("method", ["hispec", "autoregressive"])
+def test_gemma3_samples_follow_base_distribution(small_vocab_gemma, method):
+    """The same chi-square test on Gemma 3 (local and global layers, window 2): 3000 draws."""
+    path, reference = small_vocab_gemma
+    model = HiSpecModel.from_pretrained(str(path))
+    params = SamplingParams(do_sample=True, temperature=0.8)
+    out = model.generate([SAMPLE_PROMPT] * 3000, max_new_tokens=2, method=method, do_sample=True, temperature=0.8,
+                         seed=4321, draft_layer=1, verify_layer=2, window=2, num_draft=2)
+    if method != "autoregressive":
+        assert out.stats["acceptance_final"] < 0.95
+    assert_first_two_tokens_follow(out.sequences, reference, params)
+
+
 def test_seed_makes_sampling_reproducible(small_vocab_model):
     model = HiSpecModel.from_pretrained(str(small_vocab_model[0]))
     kwargs = dict(max_new_tokens=10, do_sample=True, draft_layer=1, verify_layer=2)

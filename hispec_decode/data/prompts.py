@@ -80,9 +80,10 @@ def sharegpt_prompts(n: int, seed: int = 0, max_chars: int = 1500) -> list[str]:
     return random.Random(seed).sample(sharegpt_first_turns(max_chars), n)
 
 
-def continuation_prompts(n: int, seed: int = 0, chars: int = 400) -> list[str]:
-    """Plain text to continue (no chat template): the first ``chars`` characters of ``n`` ShareGPT
-    answers, cut at a word boundary."""
+@functools.lru_cache(maxsize=4)
+def continuation_texts(chars: int = 400) -> tuple[str, ...]:
+    """Plain text to continue: the first ``chars`` characters of every ShareGPT answer at least twice
+    that long, cut at a word boundary (file order)."""
     records, _ = read_json_records(sharegpt_path())
     texts = []
     for r in records:
@@ -91,7 +92,12 @@ def continuation_prompts(n: int, seed: int = 0, chars: int = 400) -> list[str]:
             text = str(turns[1].get("value", "")).strip()
             if len(text) >= 2 * chars:
                 texts.append(text[:chars].rsplit(" ", 1)[0])
-    return random.Random(seed).sample(texts, n)
+    return tuple(texts)
+
+
+def continuation_prompts(n: int, seed: int = 0, chars: int = 400) -> list[str]:
+    """Plain text to continue (no chat template): ``n`` of :func:`continuation_texts`, seeded."""
+    return random.Random(seed).sample(continuation_texts(chars), n)
 
 
 def humaneval_problems() -> list[str]:
@@ -111,12 +117,13 @@ EVAL_MAX_PROMPTS = (512, 64)  # ShareGPT, HumanEval prompts per seed
 
 
 def evaluation_prompts() -> set[str]:
-    """Every ShareGPT and HumanEval prompt the benchmarks and ``hispec-tune`` may draw (seeds
+    """Every ShareGPT, HumanEval and continuation prompt the benchmarks and ``hispec-tune`` may draw (seeds
     :data:`EVAL_SEEDS`, up to :data:`EVAL_MAX_PROMPTS` prompts): training data leaves them out."""
-    firsts, problems = sharegpt_first_turns(), humaneval_problems()
+    firsts, problems, plain = sharegpt_first_turns(), humaneval_problems(), continuation_texts()
     out: set[str] = set()
     for seed in EVAL_SEEDS:
         out.update(random.Random(seed).sample(firsts, min(EVAL_MAX_PROMPTS[0], len(firsts))))
+        out.update(random.Random(seed).sample(plain, min(EVAL_MAX_PROMPTS[0], len(plain))))
         for n in range(1, EVAL_MAX_PROMPTS[1] + 1):  # sample(k) is not a prefix of sample(k + 1) for every k here
             out.update(random.Random(seed).sample(problems, n))
     return out

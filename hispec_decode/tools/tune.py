@@ -50,13 +50,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..api import DEFAULT_HEADS_DIR, HiSpecModel
+    from ..api import HiSpecModel, default_heads_for
     from ..data.prompts import CHAT_FREE, encode_prompt, prompt_set
     from ..files import write_text
     from ..tuning import tune
     from ..tuning.curve import choose_layers, read_curve
 
-    heads = Path(args.heads) if args.heads is not None else (DEFAULT_HEADS_DIR if args.base is None else None)
+    heads = Path(args.heads) if args.heads is not None else default_heads_for(args.base)
     if heads is None or not (heads / CONFIG_NAME).is_file():
         raise HiSpecError("--heads must be a local adapter directory (the tuned policy is written into it)")
     results = {}

@@ -1,0 +1,95 @@
+"""Gemma 3 text decoders (Gemma-3-270M, 1B and the text tower of the larger ones).
+
+What differs from Llama, each read from the model's own modules: a scaled embedding (the
+module scales), Gemma's RMSNorm (``x̂ · (1 + w)`` in float32, then cast), four norms per layer
+(before and after attention, before and after the MLP), q/k norms, a GELU-tanh MLP, attention
+scaled by ``query_pre_attn_scalar ** -0.5``, and two kinds of layer: ``sliding_attention``
+layers see the last ``sliding_window`` positions with their own rotary base, ``full_attention``
+layers see everything with theirs. The rotary tables are therefore one per layer type, handed to
+every layer in ``meta.rope`` as ``{layer_type: (cos, sin)}``.
+
+The paged cache keeps one block table per sequence for all layers: local layers read only
+their window (the attention kernels' lower bound), and no block is freed behind the window,
+since the global layers read every position (docs/gemma3.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..cache.kv_cache import PagedKVCache
+from ..errors import UnsupportedArchitectureError
+from ..layers.attention import AttentionMeta, TreeRows, build_meta
+from .base import AttentionFn, LayerKernels
+from .llama import LlamaModel
+
+RopeTables = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> cos, sin [1, 1, T, head_dim]
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalise and scale by ``1 + weight`` in float32, then cast to x's dtype."""
+    return kernels.rms_norm(x.float(), 1.0 + weight.float(), eps).to(x.dtype)
+
+
+def _norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    return gemma_rms_norm(x, norm.weight, norm.eps)
+
+
+class Gemma3Model(LlamaModel):
+    """Gemma 3 (text): local/global layers, four norms per layer, q/k norms, scaled embedding."""
+
+    def __init__(self, model: nn.Module, pack_weights: bool = True) -> None:
+        super().__init__(model, pack_weights)
+        cfg = self.config
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(cfg, name, None) is not None:
+                raise UnsupportedArchitectureError(f"gemma3 with {name}={getattr(cfg, name)} is not supported")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise UnsupportedArchitectureError("gemma3 with use_bidirectional_attention (an encoder) is not supported")
+        rope = cfg.rope_parameters or {}
+        if any(p.get("rope_type", "default") in ("dynamic", "longrope") for p in rope.values()):
+            raise UnsupportedArchitectureError(f"gemma3 with a length-dependent rope type is not supported: {rope}")
+        self.layer_types: list[str] = sorted(set(cfg.layer_types))
+        self._tables: RopeTables = {}
+
+    def rope_tables(self, length: int) -> RopeTables:
+        """cos, sin of positions 0..length-1 for each layer type, [1, 1, ≥length, head_dim], cached."""
+        have = next(iter(self._tables.values()))[0].shape[2] if self._tables else 0
+        if have < length:
+            size = max(length, min(2 * have or 256, self.max_positions))
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            positions = torch.arange(size, device=self.device)[None]
+            for t in self.layer_types:
+                cos, sin = self.inner.rotary_emb(probe, positions, t)  # [1, size, head_dim]
+                self._tables[t] = (cos[:, None], sin[:, None])
+        return self._tables
+
+    def meta(self, cache: PagedKVCache, spans: list[tuple[int, int, int]],
+             trees: list[TreeRows | None] | None = None) -> AttentionMeta:
+        meta = build_meta(cache, spans, trees)
+        tables = self.rope_tables(max(start + n for _, start, n in spans))
+        idx = meta.contiguous_positions or meta.positions
+        meta.rope = {t: (cos[:, :, idx], sin[:, :, idx]) for t, (cos, sin) in tables.items()}
+        return meta
+
+    def rope_for(self, length: int) -> RopeTables:
+        return {t: (cos[:, :, :length], sin[:, :, :length]) for t, (cos, sin) in self.rope_tables(length).items()}
+
+    def block(self, k: LayerKernels, h: torch.Tensor, rope: RopeTables | None, attn: AttentionFn) -> torch.Tensor:
+        layer, a, d = k.module, k.module.self_attn, self.head_dim
+        B, T = h.shape[:2]
+        q, key, v = k.qkv(_norm(h, layer.input_layernorm))
+        q, key, v = q.view(B, T, -1, d), key.view(B, T, -1, d), v.view(B, T, -1, d)
+        q, key = kernels.rope(_norm(q, a.q_norm), _norm(key, a.k_norm), *rope[a.layer_type])  # [B, heads, T, d]
+        o = k.out(attn(q, key, v.transpose(1, 2), a.scaling, k.sliding_window))
+        h = h + _norm(o, layer.post_attention_layernorm)
+        if k.mlp_in is None:  # an attention-only head block
+            return h
+        gate, up = k.mlp_in(_norm(h, layer.pre_feedforward_layernorm)).chunk(2, dim=-1)
+        return h + _norm(k.mlp_out(layer.mlp.act_fn(gate) * up), layer.post_feedforward_layernorm)
+
+    def exit_norm(self, h: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        weight = (self.norm_params() if params is None else params)["weight"]
+        return gemma_rms_norm(h, weight, self.inner.norm.eps)
