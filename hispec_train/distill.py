@@ -194,9 +194,13 @@ def agreement(decoder: DecoderModel, heads: dict[int, ExitHead], hidden: dict[in
                 top.append(top[-1])
                 continue
             parts = []
+            vocab = head.vocab  # with an exit vocabulary: only its logits ([B, c, len(vocab)]; the rest are -inf)
             for s in range(0, T, chunk_size):
-                probs = torch.softmax(head.project(x[:, s : s + chunk_size], decoder).float(), dim=-1)  # [B, c, V]
-                conf, top4 = probs.topk(4, dim=-1)
+                logits = head.project(x[:, s : s + chunk_size], decoder, compact=vocab is not None)
+                probs = torch.softmax(logits.float(), dim=-1)  # [B, c, V or len(vocab)]
+                conf, top4 = probs.topk(min(4, probs.shape[-1]), dim=-1)
+                if vocab is not None:
+                    top4 = vocab[top4]
                 parts.append(top4[..., 0])
                 if j == 0:  # the first draft after a verification: top-4 and calibration
                     keep, f = valid[:, s : s + chunk_size], final[:, s : s + chunk_size]

@@ -104,3 +104,20 @@ def test_decoder_block_heads_with_a_reduced_vocabulary(tiny_models, hispec_model
     refs = [tiny.hf_generate(p, NEW) for p in PROMPTS]
     for method in ("hispec", "self_spec"):
         assert restricted.generate(PROMPTS, max_new_tokens=NEW, method=method).sequences == refs, method
+
+
+def test_heldout_agreement_with_an_exit_vocabulary(tiny_models, hispec_models, tmp_path):
+    """The trainer's evaluation scores a head with an exit vocabulary over that vocabulary's logits
+    only: its step-1 top-1 and top-4 counts equal those of the full-size restricted logits."""
+    from hispec_train.distill import Agreement, agreement
+
+    model = _restricted(hispec_models["llama"], tiny_models["llama"], tmp_path)
+    decoder, head = model.decoder, model.runner.heads[1]
+    torch.manual_seed(0)
+    h, final = torch.randn(2, 9, decoder.config.hidden_size), torch.randn(2, 9, decoder.config.hidden_size)
+    counts = Agreement()
+    agreement(decoder, {1: head}, {1: h}, final, 1, 1, 4, counts)
+    teacher = decoder.lm_logits(final).argmax(-1)
+    full = head.project(head.transform(h), decoder)  # [2, 9, VOCAB], -inf outside the vocabulary
+    assert counts.step_right[1][0] == int((full.argmax(-1) == teacher).sum())
+    assert counts.in_top4[1] == int((full.topk(4, -1).indices == teacher[..., None]).any(-1).sum())
