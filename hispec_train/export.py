@@ -27,7 +27,7 @@ from hispec_decode.adapter import (CONFIG_NAME, MODEL_CARD_NAME, VLLM_BASE_CONFI
 from hispec_decode.models import decoder_for
 from hispec_decode.models.head_types import head_class
 from hispec_decode.models import LoadedBase, load_base
-from hispec_decode.models.loading import default_base_dir
+from hispec_decode.models.loading import DEFAULT_BASE, PACKAGED_BASES, packaged_base_dir
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import atomic_directory, check_writable, is_temporary
 from hispec_decode.tools.cli import add_debug_arg, non_negative_int, run_cli
@@ -196,7 +196,8 @@ def _base_config(base: str | None, loaded: LoadedBase | None) -> dict[str, Any]:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(default_base_dir() if base is None else base)).to_dict()
+        packaged = DEFAULT_BASE if base is None else PACKAGED_BASES.get(base)  # an alias is no Hub id
+        return AutoConfig.from_pretrained(str(packaged_base_dir(packaged) if packaged else base)).to_dict()
     except Exception:  # a GGUF file or a LoRA directory: their config comes with the model
         return load_base(base, "float32").model.config.to_dict()
 

@@ -47,6 +47,10 @@ def plot_agreement(report: dict[str, Any], path: Path) -> None:
     for l in layers:
         ax2.plot(xs, [h[f"agreement/L{l}"] for h in report["history"]], marker="o", label=f"L{l}")
     ax2.set_xlabel("training tokens seen" if by_tokens else "step")
+    if by_tokens:  # 800,000 as 800k: long tick labels overlap
+        from matplotlib.ticker import EngFormatter
+
+        ax2.xaxis.set_major_formatter(EngFormatter(sep=""))
     ax2.set_ylim(0, 1)
     ax2.set_title("agreement against training data")
     ax2.legend()
