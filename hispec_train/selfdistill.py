@@ -294,8 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (Parquet shards + manifest)")
     p.add_argument("--base", help="Hub id, local dir or .gguf of the base (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", help="dtype the base decodes in")
-    p.add_argument("--prompts", default=",".join(PROMPT_SOURCES),
-                   help="comma-separated prompt sources: sharegpt, humaneval, or .txt/.json/.jsonl files")
+    p.add_argument("--prompts", default="sharegpt,humaneval",
+                   help="comma-separated prompt sources: sharegpt, humaneval (chat requests), continuation (plain "
+                        "text, no chat template: for base models), or .txt/.json/.jsonl files")
     p.add_argument("--max-tokens", type=positive_int, default=2_000_000, help="new tokens to write in all")
     p.add_argument("--max-new-tokens", type=positive_int, default=384, help="token limit per answer")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=1024, help="longer prompts are skipped")

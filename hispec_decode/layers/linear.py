@@ -135,7 +135,7 @@ class FusedLinear:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if x.dim() > 2:  # as 2-d rows: on CPU a 3-d input goes through bmm, which copies the transposed weight
-            # every call (335 MB for Gemma 3's LM head; seconds under hispec_train's allocator settings)
+            # every call (335 MB for Gemma 3's LM head; seconds under the trainer's allocator settings)
             return F.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 
