@@ -95,3 +95,14 @@ def test_base_without_tokenizer_decodes_ids(tiny_models):
     model = tiny_models["llama"].load()
     assert model.tokenizer is None
     assert len(model.generate([[1, 2, 3]], max_new_tokens=3).sequences[0]) == 3
+
+
+def test_a_packaged_base_without_its_package_says_what_to_install(tmp_path, monkeypatch):
+    from hispec_decode.models.loading import PackagedBase, cache_complete, packaged_base_dir
+
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
+    base = PackagedBase("nope-1m", "example/nope-1m", "hispec_no_such_package", "no-such-package==1.0", "nope.gguf",
+                        "nope-1m", "no-such-package==1.0", assemble=True)
+    with pytest.raises(HiSpecError, match=r"pip install no-such-package==1\.0"):
+        packaged_base_dir(base)
+    assert not cache_complete(tmp_path / "models" / "nope-1m")  # nothing left behind that looks converted
