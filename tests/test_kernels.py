@@ -32,6 +32,39 @@ def test_rms_norm_matches_torch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm_matches_torch(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 640, generator=g) * 3).to(dtype)
+    scale = 1.0 + torch.randn(640, generator=g).to(dtype).float()
+    got, want = K.gemma_rms_norm(x, scale, 1e-6), native.gemma_rms_norm(x, scale, 1e-6)
+    assert got.dtype == dtype and got.shape == want.shape
+    # float32 throughout and one rounding at the end: bf16 results differ where the sum of squares does
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
+    assert torch.allclose(got.float(), want.float(), **tol)
+    if dtype == torch.bfloat16:
+        assert (got != want).float().mean() < 0.01
+    strided = torch.randn(2, 3, 4 * 256, generator=g).to(dtype).view(2, 3, 4, 256)[:, :, 1:3]  # q heads of a qkv view
+    assert torch.allclose(K.gemma_rms_norm(strided, scale[:256], 1e-6).float(),
+                          native.gemma_rms_norm(strided, scale[:256], 1e-6).float(), **tol)
+    with pytest.raises(RuntimeError, match="float32 scale"):
+        K.gemma_rms_norm(x, scale.double(), 1e-6)
+
+
+def test_gemma_norm_scale_is_kept_while_the_weight_is_unchanged():
+    from hispec_decode.models.gemma3 import _scale
+
+    norm = torch.nn.Module()
+    norm.weight = torch.nn.Parameter(torch.randn(16).to(torch.bfloat16), requires_grad=False)
+    first = _scale(norm.weight, norm)
+    assert _scale(norm.weight, norm) is first and torch.equal(first, 1.0 + norm.weight.float())
+    with torch.no_grad():
+        norm.weight.add_(1.0)  # an in-place update (an optimizer step, a load) bumps the version
+    assert torch.equal(_scale(norm.weight, norm), 1.0 + norm.weight.float())
+    norm.weight.requires_grad_(True)
+    assert _scale(norm.weight, norm).requires_grad  # trainable: recomputed, in the autograd graph
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_matches_torch_bit_for_bit(dtype):
     g = torch.Generator().manual_seed(1)
     T, H, Hk, d = 5, 9, 3, 64

@@ -3,7 +3,7 @@
 C++/OpenMP kernels (``csrc/``) replace chains of small torch ops or slow kernels on a
 decoding step: a bf16 linear on a VNNI-packed weight (on AMX tiles for every row count, which
 streams the weight at about memory bandwidth; an AVX-512 BF16 loop on CPUs without AMX), attention
-of every query row of a pass over its own paged K/V in one call, RMSNorm, rotary embedding,
+of every query row of a pass over its own paged K/V in one call, RMSNorm (Llama's and Gemma's), rotary embedding,
 ``silu(gate) * up`` and the greedy argmax of every logits row.
 Each rounds where the torch ops do (:mod:`.native` holds those ops; the tests compare both), and
 the linear and attention kernels compute every row independently of the other rows of the call.
@@ -175,6 +175,12 @@ def _use(*xs: torch.Tensor) -> ModuleType | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     k = _use(x, weight) if weight.dtype == x.dtype else None
     return k.rms_norm(x, weight, eps) if k is not None else native.rms_norm(x, weight, eps)
+
+
+def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm, ``scale`` (float32) being ``1 + weight``."""
+    k = _use(x, scale)
+    return k.gemma_rms_norm(x, scale, eps) if k is not None else native.gemma_rms_norm(x, scale, eps)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,11 +30,27 @@ RopeTables = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> cos, 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm: normalise and scale by ``1 + weight`` in float32, then cast to x's dtype."""
-    return kernels.rms_norm(x.float(), 1.0 + weight.float(), eps).to(x.dtype)
+    return kernels.gemma_rms_norm(x, 1.0 + weight.float(), eps)
+
+
+_SCALE = "_hispec_gemma_scale"  # a frozen norm's float32 1 + weight, with the weight's version it was made from
+
+
+def _scale(weight: torch.Tensor, owner: nn.Module) -> torch.Tensor:
+    """``1 + weight`` in float32, kept on the module while the weight is frozen and unchanged (an
+    in-place update bumps ``_version``; a trainable weight is recomputed every call for autograd)."""
+    if weight.requires_grad and torch.is_grad_enabled():
+        return 1.0 + weight.float()
+    key = (weight.data_ptr(), weight._version, weight.device)
+    kept = owner.__dict__.get(_SCALE)
+    if kept is None or kept[0] != key:
+        kept = (key, 1.0 + weight.detach().float())
+        owner.__dict__[_SCALE] = kept
+    return kept[1]
 
 
 def _norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    return gemma_rms_norm(x, norm.weight, norm.eps)
+    return kernels.gemma_rms_norm(x, _scale(norm.weight, norm), norm.eps)
 
 
 class Gemma3Model(LlamaModel):

@@ -67,6 +67,34 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y.view(x.sizes());
 }
 
+// Gemma's RMSNorm: (x / sqrt(mean(x^2) + eps)) * scale in float32, rounded once to x's dtype, where
+// scale = 1 + weight is float32 (the caller keeps it). x: [..., C]; returns x's shape and dtype.
+torch::Tensor gemma_rms_norm(const torch::Tensor& x, const torch::Tensor& scale, double eps) {
+  const int64_t C = x.size(-1);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == C, "gemma_rms_norm: a float32 scale of x's width");
+  auto x2 = x.reshape({-1, C});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  auto w = scale.contiguous();
+  auto y = torch::empty({x2.size(0), C}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gemma_rms_norm", [&] {
+    const scalar_t* X = x2.data_ptr<scalar_t>();
+    const float* W = w.data_ptr<float>();
+    scalar_t* Y = y.data_ptr<scalar_t>();
+    const int64_t rs = x2.stride(0);
+    at::parallel_for(0, x2.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* xr = X + r * rs;
+        float ss = 0.f;
+        _Pragma("omp simd reduction(+ : ss)")
+        for (int64_t c = 0; c < C; ++c) ss += f(xr[c]) * f(xr[c]);
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + static_cast<float>(eps));
+        for (int64_t c = 0; c < C; ++c) Y[r * C + c] = static_cast<scalar_t>(W[c] * (f(xr[c]) * inv));
+      }
+    });
+  });
+  return y.view(x.sizes());
+}
+
 // Rotary embedding of q [1, T, H, d] and k [1, T, Hk, d] (any strides, last one 1) with cos/sin
 // [T, d]: x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype.
 // Returns q and k as contiguous [1, H, T, d] and [1, Hk, T, d] (the attention layout).
