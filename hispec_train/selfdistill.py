@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "hispec_selfdistill.json"
 PROMPT_SOURCES = ("sharegpt", "humaneval", "continuation")  # continuation: plain text, no chat template (base models)
+DEFAULT_SOURCES = ("sharegpt", "humaneval")  # chat models' prompts; the committed SmolLM2 data set resumes with them
 RESUME_KEYS = ("base", "dtype", "prompts", "max_new_tokens", "temperature", "top_p", "seed", "max_prompt_tokens")
 
 
@@ -50,7 +51,7 @@ class SelfDistillConfig:
     out: str
     base: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     dtype: str = "bfloat16"
-    prompts: list[str] = field(default_factory=lambda: ["sharegpt", "humaneval"])
+    prompts: list[str] = field(default_factory=lambda: list(DEFAULT_SOURCES))
     max_tokens: int = 2_000_000  # new (answer) tokens to write
     max_new_tokens: int = 384
     max_prompt_tokens: int = 1024
@@ -294,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (Parquet shards + manifest)")
     p.add_argument("--base", help="Hub id, local dir or .gguf of the base (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", help="dtype the base decodes in")
-    p.add_argument("--prompts", default="sharegpt,humaneval",
+    p.add_argument("--prompts", default=",".join(DEFAULT_SOURCES),
                    help="comma-separated prompt sources: sharegpt, humaneval (chat requests), continuation (plain "
                         "text, no chat template: for base models), or .txt/.json/.jsonl files")
     p.add_argument("--max-tokens", type=positive_int, default=2_000_000, help="new tokens to write in all")

@@ -19,9 +19,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..cache.kv_cache import PagedKVCache
 from ..errors import UnsupportedArchitectureError
-from ..layers.attention import AttentionMeta, TreeRows, build_meta
 from .base import AttentionFn, LayerKernels
 from .llama import LlamaModel
 
@@ -68,30 +66,18 @@ class Gemma3Model(LlamaModel):
         if any(p.get("rope_type", "default") in ("dynamic", "longrope") for p in rope.values()):
             raise UnsupportedArchitectureError(f"gemma3 with a length-dependent rope type is not supported: {rope}")
         self.layer_types: list[str] = sorted(set(cfg.layer_types))
-        self._tables: RopeTables = {}
 
-    def rope_tables(self, length: int) -> RopeTables:
-        """cos, sin of positions 0..length-1 for each layer type, [1, 1, ≥length, head_dim], cached."""
-        have = next(iter(self._tables.values()))[0].shape[2] if self._tables else 0
-        if have < length:
-            size = max(length, min(2 * have or 256, self.max_positions))
-            probe = torch.empty(0, dtype=self.dtype, device=self.device)
-            positions = torch.arange(size, device=self.device)[None]
-            for t in self.layer_types:
-                cos, sin = self.inner.rotary_emb(probe, positions, t)  # [1, size, head_dim]
-                self._tables[t] = (cos[:, None], sin[:, None])
-        return self._tables
+    def rotary(self, positions: torch.Tensor) -> RopeTables:
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        tables = {}
+        for t in self.layer_types:
+            cos, sin = self.inner.rotary_emb(probe, positions, t)  # [1, n, head_dim]
+            tables[t] = (cos[:, None], sin[:, None])
+        return tables
 
-    def meta(self, cache: PagedKVCache, spans: list[tuple[int, int, int]],
-             trees: list[TreeRows | None] | None = None) -> AttentionMeta:
-        meta = build_meta(cache, spans, trees)
-        tables = self.rope_tables(max(start + n for _, start, n in spans))
-        idx = meta.contiguous_positions or meta.positions
-        meta.rope = {t: (cos[:, :, idx], sin[:, :, idx]) for t, (cos, sin) in tables.items()}
-        return meta
-
-    def rope_for(self, length: int) -> RopeTables:
-        return {t: (cos[:, :, :length], sin[:, :, :length]) for t, (cos, sin) in self.rope_tables(length).items()}
+    @staticmethod
+    def take(rope: RopeTables, idx: torch.Tensor | slice) -> RopeTables:
+        return {t: (cos[:, :, idx], sin[:, :, idx]) for t, (cos, sin) in rope.items()}
 
     def block(self, k: LayerKernels, h: torch.Tensor, rope: RopeTables | None, attn: AttentionFn) -> torch.Tensor:
         layer, a, d = k.module, k.module.self_attn, self.head_dim

@@ -10,6 +10,8 @@ from ..layers.attention import AttentionMeta, TreeRows
 from ..cache.kv_cache import PagedKVCache
 from .base import AttentionFn, DecoderModel, LayerKernels, module_linears
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [1, 1, T, head_dim]
+
 
 def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """RMSNorm as transformers computes it: normalise in float32, scale in the model's dtype."""
@@ -27,42 +29,45 @@ class LlamaModel(DecoderModel):
         self.num_kv_heads = self.config.num_key_value_heads
         rope_type = (getattr(self.config, "rope_parameters", None) or {}).get("rope_type", "default")
         self._static_rope = rope_type not in ("dynamic", "longrope")
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope: Rope | None = None  # the table of positions 0.._rope_length-1
+        self._rope_length = 0
 
-    def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of positions 0..length-1, [1, 1, length, head_dim], computed by the model's
-        own rotary module and cached (position-independent rope types only: a table equals
-        per-call values exactly, since each entry depends only on its own position)."""
-        if self._rope is None or self._rope[0].shape[2] < length:
-            grown = 2 * self._rope[0].shape[2] if self._rope else 256
-            size = max(length, min(grown, self.max_positions))
-            probe = torch.empty(0, dtype=self.dtype, device=self.device)
-            positions = torch.arange(size, device=self.device)[None]
-            cos, sin = self.inner.rotary_emb(probe, positions)  # [1, size, head_dim]
-            self._rope = (cos[:, None], sin[:, None])
+    def rotary(self, positions: torch.Tensor) -> Rope:
+        """The model's own rotary values at ``positions`` [1, n]: cos, sin as [1, 1, n, head_dim]."""
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.inner.rotary_emb(probe, positions)  # [1, n, head_dim]
+        return cos[:, None], sin[:, None]
+
+    @staticmethod
+    def take(rope: Rope, idx: torch.Tensor | slice) -> Rope:
+        """``rope`` at positions ``idx`` (its third dimension)."""
+        cos, sin = rope
+        return cos[:, :, idx], sin[:, :, idx]
+
+    def rope_table(self, length: int) -> Rope:
+        """The rotary values of positions 0..≥length-1, cached (position-independent rope types
+        only: a table equals per-call values exactly, since each entry depends only on its own
+        position)."""
+        if self._rope is None or self._rope_length < length:
+            size = max(length, min(2 * self._rope_length or 256, self.max_positions))
+            self._rope, self._rope_length = self.rotary(torch.arange(size, device=self.device)[None]), size
         return self._rope
 
     def meta(self, cache: PagedKVCache, spans: list[tuple[int, int, int]],
              trees: list[TreeRows | None] | None = None) -> AttentionMeta:
         meta = super().meta(cache, spans, trees)
         if self._static_rope:
-            cos, sin = self.rope_table(max(start + n for _, start, n in spans))
-            idx = meta.contiguous_positions or meta.positions
-            meta.rope = (cos[:, :, idx], sin[:, :, idx])
+            table = self.rope_table(max(start + n for _, start, n in spans))
+            meta.rope = self.take(table, meta.contiguous_positions or meta.positions)
         else:  # length-dependent rope (dynamic NTK, longrope): per sequence, for these positions
-            probe = torch.empty(0, dtype=self.dtype, device=self.device)
-            parts = [self.inner.rotary_emb(probe, meta.positions[None, s.offset : s.offset + s.num_new])
-                     for s in meta.segments]
-            meta.rope = (torch.cat([c for c, _ in parts], 1)[:, None], torch.cat([s for _, s in parts], 1)[:, None])
+            parts = [self.rotary(meta.positions[None, s.offset : s.offset + s.num_new]) for s in meta.segments]
+            meta.rope = (torch.cat([c for c, _ in parts], 2), torch.cat([s for _, s in parts], 2))
         return meta
 
-    def rope_for(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_for(self, length: int) -> Rope:
         if self._static_rope:
-            cos, sin = self.rope_table(length)
-            return cos[:, :, :length], sin[:, :, :length]
-        probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        cos, sin = self.inner.rotary_emb(probe, torch.arange(length, device=self.device)[None])
-        return cos[:, None], sin[:, None]
+            return self.take(self.rope_table(length), slice(0, length))
+        return self.rotary(torch.arange(length, device=self.device)[None])
 
     def embed(self, tokens: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         return self.inner.embed_tokens(tokens[None])

@@ -39,8 +39,9 @@ from tqdm import tqdm
 from ..config import METHODS
 from ..data.prompts import PROMPT_SETS, encode_prompt, prompt_set
 from ..errors import HiSpecError
-from ..files import check_writable, save_figure, write_text
+from ..files import check_writable, write_text
 from .args import add_model_args
+from .bench_serve_report import plot, table
 from .cli import add_debug_arg, positive_int, positive_int_list, run_cli
 
 logger = logging.getLogger(__name__)
@@ -275,34 +276,6 @@ def generate_overhead(model: Any, target: Target, prompts: list[str], method: st
             "http_tokens_per_second": rate["http"], "http_over_generate": rate["http"] / rate["generate"]}
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = [("output_tokens_per_second", "output tokens/s", None),
-              ("ttft_ms_p50", "time to first token (ms)", "ttft_ms_p99"),
-              ("itl_ms_p50", "inter-token latency (ms)", "itl_ms_p99")]
-    for ax, (key, label, p99) in zip(axes, panels):
-        for name, levels in results["servers"].items():
-            xs = [lv["concurrency"] for lv in levels["levels"]]
-            line, = ax.plot(xs, [lv[key] for lv in levels["levels"]], marker="o", label=f"{name} p50" if p99 else name)
-            if p99:
-                ax.plot(xs, [lv[p99] for lv in levels["levels"]], marker="x", ls="--", color=line.get_color(),
-                        label=f"{name} p99")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"hispec-serve, {results['model']} ({results['dtype']}), {results['max_tokens']} new tokens, greedy chat")
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec-bench-serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -390,22 +363,8 @@ def _run(args: argparse.Namespace) -> int:
         write_text(args.json, json.dumps(results, indent=2, sort_keys=True) + "\n")
     if args.plot:
         plot(results, args.plot)
-    print(_table(results))
+    print(table(results))
     return 0
-
-
-def _table(results: dict[str, Any]) -> str:
-    rows = ["server | clients | req/s | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | vLLM's TPOT mean | vLLM's ITL "
-            "median/p99 ms | failed", "|".join(["---"] * 9)]
-    f = lambda x: "-" if x is None else f"{x:.0f}" if x >= 10 else f"{x:.1f}"  # noqa: E731
-    for name, s in results["servers"].items():
-        for lv in s["levels"]:
-            v = lv["vllm"]
-            rows.append(f"{name} | {lv['concurrency']} | {lv['requests_per_second']:.2f} | "
-                        f"{lv['output_tokens_per_second']:.1f} | {f(lv['ttft_ms_p50'])}/{f(lv['ttft_ms_p99'])} | "
-                        f"{f(lv['itl_ms_p50'])}/{f(lv['itl_ms_p99'])} | {f(v['mean_tpot_ms'])} | "
-                        f"{f(v['median_itl_ms'])}/{f(v['p99_itl_ms'])} | {lv['failed']}")
-    return "\n".join(rows)
 
 
 if __name__ == "__main__":
