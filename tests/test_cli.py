@@ -62,7 +62,9 @@ def test_bench_batch_sizes_reports_every_method_at_every_size(tiny_models, tmp_p
     out = tmp_path / "batched.json"
     assert bench.main(["--base", str(tiny_models["llama"].path), "--dtypes", "float32", "--batch-sizes", "1,3",
                        "--max-new-tokens", "8", "--json", str(out), "--draft-layer", "1", "--verify-layer", "3",
+                       "--plot", str(tmp_path / "batched.png"),
                        "--methods", "transformers,autoregressive,self_spec,hispec:eager,hispec:gather"]) == 0
+    assert (tmp_path / "batched.png").stat().st_size > 1000  # tokens/s and ratios against the batch size
     results = json.loads(out.read_text())["dtypes"]["float32"]
     assert set(results) == {"1", "3"}
     for size, rows in results.items():

@@ -346,7 +346,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def _batched(args: argparse.Namespace, default_num_prompts: int) -> int:
     from ..api import HiSpecModel
-    from .bench_batch import format_batched, run_batched
+    from .bench_batch import format_batched, plot_batched, run_batched
 
     sizes = args.batch_sizes
     num_prompts = max(sizes) if args.num_prompts == default_num_prompts else args.num_prompts
@@ -362,6 +362,9 @@ def _batched(args: argparse.Namespace, default_num_prompts: int) -> int:
         results["dtypes"][dtype] = res
         print(format_batched(res, dtype))
     write_json(args.json, results)
+    if args.plot is not None:
+        plot_batched(results, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 

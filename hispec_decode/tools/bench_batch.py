@@ -122,3 +122,35 @@ def format_batched(results: dict[str, Any], dtype: str) -> str:
                          f"{f(r['acceptance_final'], True):>8} {r['matches_transformers'] or '-':>7} "
                          f"{r.get('matches_autoregressive') or '-':>7} {cache:>16}")
     return "\n".join(lines)
+
+
+def plot_batched(results: dict[str, Any], path) -> None:
+    """Per dtype: each method's tokens/s against the batch size, and its ratio to autoregressive."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..files import save_figure
+
+    dtypes = list(results["dtypes"])
+    fig, axes = plt.subplots(len(dtypes), 2, figsize=(12, 3.8 * len(dtypes)), squeeze=False)
+    for (ax1, ax2), dtype in zip(axes, dtypes):
+        by_size = results["dtypes"][dtype]
+        sizes = sorted(by_size, key=int)
+        methods = list(by_size[sizes[0]])
+        for m in methods:
+            ax1.plot([int(b) for b in sizes], [by_size[b][m]["tokens_per_second"] for b in sizes], marker="o", label=m)
+            ax2.plot([int(b) for b in sizes], [by_size[b][m]["ratio_to_autoregressive"] for b in sizes], marker="o", label=m)
+        ax2.axhline(1.0, color="grey", lw=0.8, ls="--")
+        for ax, label in ((ax1, "tokens/s (all rows)"), (ax2, "x autoregressive")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch size")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        ax1.set_title(f"{dtype}: batched throughput, {results['max_new_tokens']} new tokens, greedy")
+        ax2.set_title(f"{dtype}: ratio to this engine's autoregressive decoding")
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)

@@ -180,23 +180,27 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
 
 def confirm_batches(model: Any, prompts: list[list[int]], max_new_tokens: int, chosen: Candidate,
                     thresholds: dict[str, float]) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Decode a batch of each size in :data:`CONFIRM_BATCHES` (the prompts repeated) with plain decoding
-    and with ``chosen`` under ``thresholds``, in alternating order; from the first size where speculation
-    is slower, it is switched off (:data:`SPECULATION_OFF`) at that size and every bigger one."""
+    """Decode batches of each size in :data:`CONFIRM_BATCHES` with plain decoding and with ``chosen``
+    under ``thresholds``, in alternating order, enough batches of distinct prompts that every
+    calibration prompt is decoded at least once (a batch of 2 from two easy prompts would say little);
+    from the first size where speculation is slower, it is switched off (:data:`SPECULATION_OFF`) at
+    that size and every bigger one."""
     rows, off = [], False
     for b in CONFIRM_BATCHES:
         if off:
             thresholds[str(b)] = SPECULATION_OFF
             continue
-        batch = [prompts[i % len(prompts)] for i in range(b)]
+        batches = [[prompts[(j * b + i) % len(prompts)] for i in range(b)] for j in range(-(-len(prompts) // b))]
         policy = replace(chosen.policy, batch_thresholds=tuple(sorted((int(k), v) for k, v in thresholds.items())))
         times = {"autoregressive": 0.0, "speculative": 0.0}
         tokens = dict.fromkeys(times, 0)
-        for label in ("autoregressive", "speculative", "speculative", "autoregressive"):
-            got, seconds = _decode(model, batch, max_new_tokens, "autoregressive" if label == "autoregressive"
-                                   else chosen.method, None if label == "autoregressive" else policy)
-            times[label] += seconds
-            tokens[label] += got
+        for j, batch in enumerate(batches):
+            order = ("autoregressive", "speculative") if j % 2 == 0 else ("speculative", "autoregressive")
+            for label in order:
+                got, seconds = _decode(model, batch, max_new_tokens, "autoregressive" if label == "autoregressive"
+                                       else chosen.method, None if label == "autoregressive" else policy)
+                times[label] += seconds
+                tokens[label] += got
         ratio = (tokens["speculative"] / times["speculative"]) / (tokens["autoregressive"] / times["autoregressive"])
         off = ratio < 1.0
         if off:
