@@ -38,30 +38,43 @@ inline bool silu16<at::BFloat16>(const at::BFloat16* gate, const at::BFloat16* u
 }
 #endif
 
+// The rows of x [..., C] as a [R, C] view with unit column stride, and an empty [R, C] output.
+std::pair<torch::Tensor, torch::Tensor> norm_rows(const torch::Tensor& x) {
+  auto x2 = x.reshape({-1, x.size(-1)});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  return {x2, torch::empty({x2.size(0), x2.size(1)}, x.options())};
+}
+
+// y[r, c] = out(c, x[r, c], inv_r), inv_r = 1 / sqrt(mean(x_r^2) + eps), the sum in float32.
+template <typename scalar_t, typename Out>
+void rms_rows(const torch::Tensor& x2, torch::Tensor& y, double eps, Out out) {
+  const int64_t C = x2.size(1), rs = x2.stride(0);
+  const scalar_t* X = x2.data_ptr<scalar_t>();
+  scalar_t* Y = y.data_ptr<scalar_t>();
+  at::parallel_for(0, x2.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = X + r * rs;
+      float ss = 0.f;
+      _Pragma("omp simd reduction(+ : ss)")
+      for (int64_t c = 0; c < C; ++c) ss += f(xr[c]) * f(xr[c]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + static_cast<float>(eps));
+      for (int64_t c = 0; c < C; ++c) Y[r * C + c] = out(c, xr[c], inv);
+    }
+  });
+}
+
 }  // namespace
 
 // weight * (x / sqrt(mean(x^2) + eps)) over the last dimension: normalised in float32, rounded to
 // x's dtype, then scaled (as transformers' RMSNorm computes it). x: [..., C]; returns x's shape.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  const int64_t C = x.size(-1);
-  auto x2 = x.reshape({-1, C});
-  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  auto rows = norm_rows(x);
+  auto &x2 = rows.first, &y = rows.second;
   auto w = weight.to(x.scalar_type()).contiguous();
-  auto y = torch::empty({x2.size(0), C}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    const scalar_t* X = x2.data_ptr<scalar_t>();
     const scalar_t* W = w.data_ptr<scalar_t>();
-    scalar_t* Y = y.data_ptr<scalar_t>();
-    const int64_t rs = x2.stride(0);
-    at::parallel_for(0, x2.size(0), 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* xr = X + r * rs;
-        float ss = 0.f;
-        _Pragma("omp simd reduction(+ : ss)")
-        for (int64_t c = 0; c < C; ++c) ss += f(xr[c]) * f(xr[c]);
-        const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + static_cast<float>(eps));
-        for (int64_t c = 0; c < C; ++c) Y[r * C + c] = static_cast<scalar_t>(f(W[c]) * rnd<scalar_t>(f(xr[c]) * inv));
-      }
+    rms_rows<scalar_t>(x2, y, eps, [W](int64_t c, scalar_t v, float inv) {
+      return static_cast<scalar_t>(f(W[c]) * rnd<scalar_t>(f(v) * inv));
     });
   });
   return y.view(x.sizes());
@@ -70,26 +83,15 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // Gemma's RMSNorm: (x / sqrt(mean(x^2) + eps)) * scale in float32, rounded once to x's dtype, where
 // scale = 1 + weight is float32 (the caller keeps it). x: [..., C]; returns x's shape and dtype.
 torch::Tensor gemma_rms_norm(const torch::Tensor& x, const torch::Tensor& scale, double eps) {
-  const int64_t C = x.size(-1);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == C, "gemma_rms_norm: a float32 scale of x's width");
-  auto x2 = x.reshape({-1, C});
-  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == x.size(-1),
+              "gemma_rms_norm: a float32 scale of x's width");
+  auto rows = norm_rows(x);
+  auto &x2 = rows.first, &y = rows.second;
   auto w = scale.contiguous();
-  auto y = torch::empty({x2.size(0), C}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gemma_rms_norm", [&] {
-    const scalar_t* X = x2.data_ptr<scalar_t>();
     const float* W = w.data_ptr<float>();
-    scalar_t* Y = y.data_ptr<scalar_t>();
-    const int64_t rs = x2.stride(0);
-    at::parallel_for(0, x2.size(0), 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* xr = X + r * rs;
-        float ss = 0.f;
-        _Pragma("omp simd reduction(+ : ss)")
-        for (int64_t c = 0; c < C; ++c) ss += f(xr[c]) * f(xr[c]);
-        const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + static_cast<float>(eps));
-        for (int64_t c = 0; c < C; ++c) Y[r * C + c] = static_cast<scalar_t>(W[c] * (f(xr[c]) * inv));
-      }
+    rms_rows<scalar_t>(x2, y, eps, [W](int64_t c, scalar_t v, float inv) {
+      return static_cast<scalar_t>(W[c] * (f(v) * inv));
     });
   });
   return y.view(x.sizes());
