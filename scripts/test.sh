@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
 # Install (idempotent) and run the whole test suite. CI runs this.
+# Each phase prints when it starts and how long it took; a test that hangs fails after the per-test
+# timeout in pyproject.toml (pytest-timeout, with every thread's stack) instead of eating CI's budget.
 set -euo pipefail
+T0=$SECONDS
+stamp() { echo "=== [test.sh +$((SECONDS - T0))s] $*"; }
+stamp "set-up of .venv"
 . "$(dirname "$0")/_setup.sh"
 cd "$ROOT"
+stamp "main suite (tests/)"
 python -m pytest --durations=15 "$@"
 # vLLM + HiSpec (tests_vllm/) in vLLM's own virtualenv; HISPEC_SKIP_VLLM=1 leaves them out
 if [ "${HISPEC_SKIP_VLLM:-0}" != 1 ] && [ "$#" -eq 0 ]; then
+    stamp "set-up of .venv-vllm"
     . "$ROOT/scripts/_setup_vllm.sh"
+    stamp "vLLM suite (tests_vllm/)"
     "$VLLM_VENV/bin/python" -m pytest -p no:cacheprovider --durations=10 tests_vllm
 fi
+stamp "done"
