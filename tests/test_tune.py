@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -11,7 +12,8 @@ from hispec_decode.adapter import ExitSpec
 from hispec_decode.tools import tune as tune_cli
 from hispec_decode.tuning.costs import measure_costs
 from hispec_decode.tuning.simulate import precision_above, record_trace, replay
-from hispec_decode.tuning.tune import batch_thresholds
+from hispec_decode.decoding.policy import Policy
+from hispec_decode.tuning.tune import CONFIRM_MARGIN, Candidate, batch_thresholds, confirm_batches
 
 PROMPTS = [[5, 9, 2, 6], [1, 2, 3, 4, 5, 6, 7, 8], [40, 41]]
 
@@ -60,6 +62,26 @@ def test_batch_thresholds_rise_with_the_batch(tuned_setup):
     assert values == sorted(values), "a bigger batch never makes speculation cheaper"
     deeper = batch_thresholds(costs, model.num_layers, cap=0.9, draft_layer=4)
     assert all(deeper[b] >= thresholds[b] for b in thresholds), "a costlier draft pass needs more acceptance"
+
+
+@pytest.mark.parametrize("ratios, on", [({2: 1.10, 4: CONFIRM_MARGIN + 0.01, 8: 1.02}, [2, 4]), ({2: 1.03}, []), ({2: 0.9}, [])])
+def test_batch_confirmation_keeps_speculation_only_where_it_clearly_wins(monkeypatch, ratios, on):
+    """Decoding is faked: speculation at batch B takes 1 / ratio[B] of plain decoding's time. It stays on
+    up to the first size where it is not CONFIRM_MARGIN faster, and is off from there on (measured or not)."""
+    seen = []
+
+    def fake_decode(model, prompts, max_new_tokens, method, policy=None):
+        seen.append((len(prompts), method))
+        return 100, (1.0 if method == "autoregressive" else 1.0 / ratios.get(len(prompts), 0.5))
+
+    monkeypatch.setattr(sys.modules[confirm_batches.__module__], "_decode", fake_decode)
+    chosen = Candidate("hispec", Policy(draft_layer=2, verify_layer=6, window=1, num_draft=1))
+    thresholds, rows = confirm_batches(None, PROMPTS, 8, chosen, {"1": 0.0, "2": 0.2, "4": 0.4, "8": 0.5, "16": 0.6})
+    assert [r["batch_size"] for r in rows if r["speculation"] == "on"] == on
+    assert all(thresholds[str(b)] < 1 for b in on) and thresholds["1"] == 0.0
+    assert all(thresholds[str(b)] > 1 for b in (2, 4, 8, 16) if b not in on)
+    # every calibration prompt decoded at each measured size, both ways
+    assert {n for n, m in seen if m == "autoregressive"} == {b for b in (2, 4, 8) if b in ratios}
 
 
 def test_precision_above_counts_generated_positions(tuned_setup):
