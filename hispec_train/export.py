@@ -1,11 +1,13 @@
-"""``hispec-export RUN_DIR --out DIR [--exit-vocab-size K] [--overwrite] [--push-to-hub REPO_ID] [--private] [--revision R]``.
+"""``hispec-export RUN_DIR --out DIR [--exit-vocab-size K] [--with-exits ADAPTER[:L,...]] [--overwrite] [--push-to-hub REPO_ID] ...``.
 
 Writes the adapter of a training run (config, heads-only safetensors) plus a ``README.md``
 model card with the base, its fingerprint, the exits, the training data and steps, and the
 measured agreement table; optionally uploads the directory to the Hub. ``--exit-vocab-size K``
 restricts the early exits to the K most frequent tokens of the run's training data (no
 retraining: the heads are trained on the full vocabulary) and measures the held-out agreement
-with that vocabulary for the card.
+with that vocabulary for the card. ``--with-exits ADAPTER[:L,...]`` carries exits of another
+adapter for the same base into the export (all of its exits, or layers ``L,...``), with their roles
+and weights unchanged: a run that trained a new draft head ships beside an earlier intermediate one.
 
 ``--out`` is written atomically (a temporary sibling swapped into place). It may be new, empty or
 a previous export; a directory holding anything else is refused unless ``--overwrite`` is given,
@@ -31,7 +33,7 @@ from hispec_decode.models.loading import DEFAULT_BASE, PACKAGED_BASES, packaged_
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import atomic_directory, check_writable, is_temporary
 from hispec_decode.tools.cli import add_debug_arg, non_negative_int, run_cli
-from hispec_decode.adapter import fingerprint_id
+from hispec_decode.adapter import fingerprint_id, fingerprints_match
 from hispec_decode.adapter.fingerprint import compute_fingerprint
 
 from .checkpoint import CHECKPOINT_DIR, checkpoint_step
@@ -72,6 +74,11 @@ def model_card(adapter: HiSpecAdapter, report: dict[str, Any], steps: int) -> st
         extra += ("\nDeep-context heads: the agreement above is with the head reading its own previous output "
                   "(every draft after the first); with the previous position's true final state (the first draft "
                   "after a verification) it is " + ", ".join(f"{v:.3f} at L{l}" for l, v in context.items()) + ".\n")
+    added = cfg.training.get("exits_added_from")
+    if added:
+        extra += (f"\nThe {', '.join(f'L{l} ({t})' for l, t in zip(added['layers'], added['head_types']))} head(s) come "
+                  f"unchanged from `{added['adapter']}` (`hispec-export --with-exits`); this run did not measure them "
+                  f"(nan above).\n")
     vocab_header, vocab_rule, vocab_note = "", "", ""
     trained_vocab = f" ({report['trained_exit_vocab_size']}-token exit vocabulary)" if report.get("trained_exit_vocab_size") else ""
     if vocab:
@@ -161,9 +168,45 @@ def check_out_dir(run_dir: Path, out: Path, overwrite: bool = False) -> None:
     check_writable(dest.parent, "the parent of --out")
 
 
-def export(run_dir: Path, out: Path, exit_vocab_size: int = 0, overwrite: bool = False) -> HiSpecAdapter:
+def add_exits(adapter: HiSpecAdapter, other: HiSpecAdapter, layers: list[int] | None = None,
+              source_name: str = "") -> list[int]:
+    """Carry ``other``'s exits at ``layers`` (default: all) into ``adapter``, roles and weights unchanged;
+    both must be for the same base, and neither a layer nor a draft/intermediate role may be taken twice."""
+    a, b = adapter.config, other.config
+    if not fingerprints_match(a.base_fingerprint, b.base_fingerprint) or (a.num_hidden_layers, a.hidden_size,
+                                                                          a.vocab_size) != (b.num_hidden_layers,
+                                                                                            b.hidden_size, b.vocab_size):
+        raise HiSpecError(f"--with-exits: those heads were trained for {b.base_model!r} (fingerprint "
+                          f"{fingerprint_id(b.base_fingerprint)}), this run for {a.base_model!r} "
+                          f"({fingerprint_id(a.base_fingerprint)})")
+    available = {e.layer: e for e in b.exits}
+    layers = sorted(available) if layers is None else layers
+    missing = [l for l in layers if l not in available]
+    if missing:
+        raise HiSpecError(f"--with-exits: no exit at layer(s) {missing} in those heads (they have {sorted(available)})")
+    taken = {e.layer for e in a.exits}
+    if taken & set(layers):
+        raise HiSpecError(f"--with-exits: layer(s) {sorted(taken & set(layers))} already have a head in this run")
+    for layer in layers:
+        e = available[layer]
+        if e.role != "extra" and a.layer_for(e.role) is not None:
+            raise HiSpecError(f"--with-exits: the {e.role} exit is already layer {a.layer_for(e.role)} in this run "
+                              f"(layer {layer} of those heads has that role too)")
+        a.exits.append(e)
+        adapter.heads[str(layer)] = other.head(layer)
+    a.exits.sort(key=lambda e: e.layer)
+    adapter.heads = torch.nn.ModuleDict({k: adapter.heads[k] for k in sorted(adapter.heads, key=int)})
+    a.validate()
+    a.training["exits_added_from"] = {"adapter": source_name, "layers": layers,
+                                      "head_types": [available[l].head_type for l in layers]}
+    return layers
+
+
+def export(run_dir: Path, out: Path, exit_vocab_size: int = 0, overwrite: bool = False,
+           with_exits: tuple[Path, list[int] | None] | None = None) -> HiSpecAdapter:
     """Write the run's heads (``run_dir/checkpoint``) to ``out`` as an adapter with a model card,
-    atomically: ``out`` holds the previous export or the new one, never a mixture."""
+    atomically: ``out`` holds the previous export or the new one, never a mixture. ``with_exits``:
+    (adapter directory, layers or None for all) whose exits are added (:func:`add_exits`)."""
     checkpoint = run_dir / CHECKPOINT_DIR
     checkpoint_step(run_dir)  # clean up (or restore) what a killed save left
     if not (checkpoint / CONFIG_NAME).is_file():
@@ -179,6 +222,13 @@ def export(run_dir: Path, out: Path, exit_vocab_size: int = 0, overwrite: bool =
     report["trained_exit_vocab_size"] = adapter.config.training.get("exit_vocab_size")  # what "trained head" was measured with
     if exit_vocab_size:
         report["exit_vocab"] = restrict_vocab(adapter, cfg, loaded, exit_vocab_size)
+    if with_exits is not None:
+        source, layers = with_exits
+        source_types = [e.head_type for e in HiSpecAdapterConfig.from_pretrained(source).exits]
+        if decoder is None and any(head_class(t).has_cache for t in source_types):
+            loaded = loaded or load_base(cfg.base, "float32")
+            decoder = decoder_for(loaded.model, pack_weights=False)
+        add_exits(adapter, HiSpecAdapter.from_pretrained(source, decoder=decoder), layers, str(source))
     steps = checkpoint_step(run_dir)
     adapter.config.training["steps"] = steps
     base_config = _base_config(cfg.base, loaded)
@@ -208,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--exit-vocab-size", "--exit-vocab", type=non_negative_int, default=0, metavar="K",
                    help="restrict the early exits to the K most frequent training tokens (measured for the card)")
+    p.add_argument("--with-exits", metavar="ADAPTER[:L,...]", default=None,
+                   help="also ship these exits of another adapter for the same base (all, or layers L,...)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out even when it holds files other than a previous export")
     p.add_argument("--push-to-hub", metavar="REPO_ID", default=None)
@@ -223,12 +275,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    adapter = export(args.run_dir, args.out, args.exit_vocab_size, args.overwrite)
+    adapter = export(args.run_dir, args.out, args.exit_vocab_size, args.overwrite, _with_exits(args.with_exits))
     print(f"wrote {args.out}: {CONFIG_NAME}, {WEIGHTS_NAME}, {MODEL_CARD_NAME}")
     if args.push_to_hub:
         url = adapter.push_to_hub(args.push_to_hub, private=args.private, revision=args.revision, local_dir=args.out)
         print(f"uploaded to {url}")
     return 0
+
+
+def _with_exits(value: str | None) -> tuple[Path, list[int] | None] | None:
+    """``DIR`` or ``DIR:L,...`` (a directory whose name holds a colon is taken whole when it exists)."""
+    if value is None:
+        return None
+    path, _, layers = value.rpartition(":") if ":" in value and not Path(value).exists() else (value, "", "")
+    try:
+        parsed = [int(x) for x in layers.split(",")] if layers else None
+    except ValueError:
+        raise HiSpecError(f"--with-exits {value!r}: layers after ':' must be integers, e.g. heads:8") from None
+    return Path(path), parsed
 
 
 if __name__ == "__main__":

@@ -161,6 +161,55 @@ def test_exit_vocabulary_training_export_and_decoding(trained_run, trainable_bas
     assert model.generate([prompt], max_new_tokens=20).sequences[0] == ref[0, len(prompt):].tolist()[:20]
 
 
+def test_export_with_exits_of_another_adapter(trained_run, trainable_base, tmp_path, capsys):
+    """``--with-exits``: a run's heads ship beside exits of another adapter for the same base (here a
+    feature_attention head at L4 next to the run's L1 draft and L3 intermediate heads); the export
+    loads, decodes equal to transformers with every exit in use, and bad combinations are refused."""
+    from hispec_decode.adapter import ExitSpec
+    from hispec_train import export as export_cli
+
+    decoder = decoder_for(load_base(str(trainable_base)).model, pack_weights=False)
+    other = tmp_path / "other"
+    made = HiSpecAdapter.create(decoder, str(trainable_base), [ExitSpec(3, "intermediate", "norm"),
+                                                               ExitSpec(4, "extra", "feature_attention")])
+    with torch.no_grad():
+        made.head(4).fuse.weight.normal_(0, 0.05)
+    made.save_pretrained(other)
+    out = tmp_path / "merged"
+    assert export_cli.main([str(trained_run), "--out", str(out), "--with-exits", f"{other}:4"]) == 0
+    merged = HiSpecAdapter.from_pretrained(out, decoder=decoder)
+    assert [(e.layer, e.role, e.head_type) for e in merged.config.exits] == [
+        (1, "draft", "residual_linear"), (3, "intermediate", "residual_linear"), (4, "extra", "feature_attention")]
+    assert torch.equal(merged.state_dict_flat()["4.fuse.weight"], made.state_dict_flat()["4.fuse.weight"])
+    assert merged.config.training["exits_added_from"] == {"adapter": str(other), "layers": [4],
+                                                          "head_types": ["feature_attention"]}
+    assert "L4 (feature_attention) head(s) come unchanged" in (out / "README.md").read_text()
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(out))
+    prompt = [5, 9, 2, 6, 7, 1, 3]
+    ids = torch.tensor([prompt])
+    ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    for layers in ((4, 6), (1, 4)):  # the added head drafting (no middle level), then checking
+        out_ids = model.generate([prompt], max_new_tokens=16, method="hispec", draft_layer=layers[0],
+                                 verify_layer=layers[1], num_draft=2, window=3).sequences[0]
+        assert out_ids == ref[0, len(prompt):].tolist()
+    for arg, match in ((f"{other}", "already have a head"), (f"{other}:5", "no exit at layer"),
+                       (f"{other}:x", "must be integers")):
+        assert export_cli.main([str(trained_run), "--out", str(tmp_path / "bad"), "--with-exits", arg]) == 2
+        assert match in capsys.readouterr().err
+    clash = tmp_path / "clash"
+    HiSpecAdapter.create(decoder, str(trainable_base), [ExitSpec(2, "intermediate", "norm")]).save_pretrained(clash)
+    assert export_cli.main([str(trained_run), "--out", str(tmp_path / "bad"), "--with-exits", str(clash)]) == 2
+    assert "intermediate exit is already layer 3" in capsys.readouterr().err
+    other_base = tmp_path / "qwen2"
+    save_tiny("qwen2", other_base)
+    foreign = tmp_path / "foreign"
+    HiSpecAdapter.create(decoder_for(load_base(str(other_base)).model, pack_weights=False), str(other_base),
+                         [ExitSpec(4, "extra", "norm")]).save_pretrained(foreign)
+    assert export_cli.main([str(trained_run), "--out", str(tmp_path / "bad"), "--with-exits", str(foreign)]) == 2
+    assert "trained for" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_resume_after_kill_matches_uninterrupted_run(trainable_base, data_file, tmp_path, monkeypatch):
     full = train(_cfg(trainable_base, data_file, tmp_path / "full"))
     calls = {"n": 0}
