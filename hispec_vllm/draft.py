@@ -1,13 +1,14 @@
 """The draft directory vLLM loads as an EAGLE-style drafter, built from a HiSpec adapter (no vLLM import).
 
 vLLM's ``method="eagle"`` runs a draft model that receives the target's final (normed) hidden
-state of the previous position, which is the deep context that HiSpec's ``deep_context`` heads
-read. So the draft exit becomes such a drafter: the base's first ``L_d`` layers (with their own
-K/V pages in vLLM), the trained head, its norm and the exit-vocabulary rows of the shared LM head.
+state of the previous position, which is the deep context that HiSpec's ``deep_context`` and
+``feature_attention`` heads read. So the draft exit becomes such a drafter: the base's first ``L_d``
+layers (with their own K/V pages in vLLM), the trained head (for ``feature_attention`` its decoder
+layer too, with K/V pages of its own), its norm and the exit-vocabulary rows of the shared LM head.
 
 A draft directory holds ``config.json`` (the base's Hugging Face config with
-``architectures = [DRAFT_ARCHITECTURE]``, ``num_hidden_layers = L_d`` and a ``hispec_draft``
-block) and ``model.safetensors`` (the draft head's tensors under ``hispec_head.``). The base's
+``architectures = [DRAFT_ARCHITECTURE]``, ``num_hidden_layers`` = the drafter's layers: ``L_d``,
+plus one for a ``feature_attention`` head's own layer, and a ``hispec_draft`` block) and ``model.safetensors`` (the draft head's tensors under ``hispec_head.``). The base's
 layer weights are not copied: the drafter reads them from the target's own checkpoint when vLLM
 loads it. The base's config comes from ``VLLM_BASE_CONFIG_NAME`` beside the adapter, which
 ``hispec-export`` writes.
@@ -33,7 +34,8 @@ DRAFT_ARCHITECTURE = "EagleHiSpecForCausalLM"  # "Eagle..." so vLLM's EAGLE conf
 DRAFT_CONFIG_KEY = "hispec_draft"
 HEAD_PREFIX = "hispec_head."
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # decoder layers the drafter builds from vLLM's own
-SUPPORTED_HEAD_TYPES = ("norm", "residual_linear", "deep_context")  # pointwise heads: no cache of their own
+# pointwise heads, and feature_attention (EAGLE's own shape: one decoder layer over the fused features)
+SUPPORTED_HEAD_TYPES = ("norm", "residual_linear", "deep_context", "feature_attention")
 DEFAULT_SPECULATIVE_TOKENS = 1  # an adapter without a tuned policy
 CACHE_ENV = "HISPEC_VLLM_DIR"
 
@@ -50,15 +52,22 @@ def draft_config(adapter: HiSpecAdapterConfig, base_config: dict[str, Any]) -> d
     if draft.head_type not in SUPPORTED_HEAD_TYPES:
         raise AdapterError(f"vLLM drafting supports draft heads of type {', '.join(SUPPORTED_HEAD_TYPES)}; the "
                            f"draft exit at layer {draft.layer} is {draft.head_type!r}")
+    if draft.options.get("attention_only"):
+        raise AdapterError(f"vLLM drafting needs the draft head's layer whole; the {draft.head_type} head at layer "
+                           f"{draft.layer} is attention_only")
     for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
         if base_config.get(key) != getattr(adapter, key):
             raise AdapterError(f"{VLLM_BASE_CONFIG_NAME} does not describe this adapter's base: {key} is "
                                f"{base_config.get(key)!r}, the adapter's {getattr(adapter, key)!r}")
-    per_layer = {k: v[: draft.layer] for k, v in base_config.items()  # e.g. Qwen's layer_types
+    # the drafter's layers: copies of the base's 0..L_d-1, then a feature_attention head's own layer (a
+    # trained copy of the base's layer source_layer)
+    layers = list(range(draft.layer)) + ([draft.options.get("source_layer", draft.layer)]
+                                         if draft.head_type == "feature_attention" else [])
+    per_layer = {k: [v[i] for i in layers] for k, v in base_config.items()  # e.g. Qwen's layer_types
                  if isinstance(v, list) and len(v) == adapter.num_hidden_layers and k != "architectures"}
     return base_config | per_layer | {
         "architectures": [DRAFT_ARCHITECTURE],
-        "num_hidden_layers": draft.layer,  # the drafter's own layers: copies of the base's 0..L_d-1
+        "num_hidden_layers": len(layers),
         DRAFT_CONFIG_KEY: {
             "base_model": adapter.base_model,
             "base_fingerprint": adapter.base_fingerprint,

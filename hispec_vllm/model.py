@@ -9,6 +9,9 @@ drafter's own second return value. For a position p holding token x_{p+1} the dr
     u = h + W h + U c_p                   the trained head (deep_context; W, U absent for others)
     n = norm_head(u)                      the head's copy of the final norm
 
+or, for a ``feature_attention`` head (EAGLE's drafter on an early exit), ``u = h + F [h ; c_p]``,
+``n = norm_head(block(u))`` with the head's decoder layer ``block`` (K/V pages of its own too).
+
 and returns ``(n, n)``: ``n`` gives the logits over the exit vocabulary (rows of the target's LM
 head, which vLLM shares with the drafter), and ``n`` is the head's estimate of the final normed
 state at p+1, which is what the next draft step reads as its context: as in HiSpec's engine.
@@ -71,12 +74,15 @@ def _weights_mapper(model_type: str):
 
 
 class DraftLayers(nn.Module):
-    """The base's first L_d decoder layers; their attention is named after the target's last layer
-    (``model.layers.{N + i}``) so vLLM gives them K/V pages of their own."""
+    """The drafter's decoder layers: the base's first L_d, then a feature_attention head's own layer;
+    their attention is named after the target's last layer (``model.layers.{N + i}``) so vLLM gives
+    them K/V pages of their own. ``forward`` runs the base's ``num_base`` layers."""
 
-    def __init__(self, *, vllm_config: VllmConfig, config, model_type: str, prefix: str, start_layer_id: int) -> None:
+    def __init__(self, *, vllm_config: VllmConfig, config, model_type: str, prefix: str, start_layer_id: int,
+                 num_base: int) -> None:
         super().__init__()
         self.config = config
+        self.num_base = num_base
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    prefix=maybe_prefix(prefix, "embed_tokens"))  # the target's, shared
         self.layers = nn.ModuleList([_decoder_layer(model_type, config, vllm_config, maybe_prefix(prefix, f"layers.{i + start_layer_id}"))
@@ -87,14 +93,15 @@ class DraftLayers(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [n, H]
-        for layer in self.layers:
+        for layer in self.layers[: self.num_base]:
             x, residual = layer(positions, x, residual)
         return x if residual is None else x + residual  # the residual stream after layer L_d - 1
 
 
 class EagleHiSpecForCausalLM(LlamaForCausalLM):
-    """A HiSpec draft exit (``norm``, ``residual_linear`` or ``deep_context`` head) for vLLM's
-    ``method="eagle"``; built from a draft directory that :func:`hispec_vllm.speculative_config` writes."""
+    """A HiSpec draft exit (``norm``, ``residual_linear``, ``deep_context`` or ``feature_attention`` head)
+    for vLLM's ``method="eagle"``; built from a draft directory that :func:`hispec_vllm.speculative_config`
+    writes."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         nn.Module.__init__(self)
@@ -108,12 +115,18 @@ class EagleHiSpecForCausalLM(LlamaForCausalLM):
         if self.target_layers != self.info["target_num_hidden_layers"]:
             raise FingerprintMismatchError(f"these HiSpec heads were trained for a base of {self.info['target_num_hidden_layers']} "
                                            f"layers ({self.info['base_model']}); the target has {self.target_layers}")
-        self.model = DraftLayers(vllm_config=vllm_config, config=self.config, model_type=self.model_type, prefix=maybe_prefix(prefix, "model"),
-                                 start_layer_id=self.target_layers)
+        self.num_base = int(self.info["draft_layer"])  # the base's layers 0..L_d-1; a feature head's layer after them
+        self.model = DraftLayers(vllm_config=vllm_config, config=self.config, model_type=self.model_type,
+                                 prefix=maybe_prefix(prefix, "model"), start_layer_id=self.target_layers,
+                                 num_base=self.num_base)
         hidden = self.config.hidden_size
         head_type = self.info["head_type"]
         self.proj = nn.Linear(hidden, hidden, bias=False) if head_type in ("residual_linear", "deep_context") else None
         self.ctx = nn.Linear(hidden, hidden, bias=False) if head_type == "deep_context" else None
+        self.fuse = nn.Linear(2 * hidden, hidden, bias=False) if head_type == "feature_attention" else None
+        if (self.fuse is not None) != (self.config.num_hidden_layers == self.num_base + 1):
+            raise ValueError(f"hispec_vllm: a {head_type} drafter at L_d = {self.num_base} has "
+                             f"{self.config.num_hidden_layers} layers; rebuild its draft directory")
         self.head_norm = RMSNorm(hidden, eps=self.config.rms_norm_eps)
         size = int(self.info["exit_vocab_size"] or 0)
         self.exit_ids = nn.Parameter(torch.zeros(size, dtype=torch.long), requires_grad=False) if size else None
@@ -129,9 +142,13 @@ class EagleHiSpecForCausalLM(LlamaForCausalLM):
         if inputs_embeds is not None:
             raise NotImplementedError("HiSpec drafting takes token ids, not embeddings")
         h = self.model(input_ids, positions)  # [n, H]
+        context = hidden_states.to(h.dtype)  # the target's normed final state at p, or our own estimate
         u = h if self.proj is None else h + self.proj(h)
         if self.ctx is not None:
-            u = u + self.ctx(hidden_states.to(u.dtype))  # the target's normed final state at p, or our own estimate
+            u = u + self.ctx(context)
+        if self.fuse is not None:
+            x, residual = self.model.layers[self.num_base](positions, h + self.fuse(torch.cat([h, context], -1)), None)
+            u = x + residual
         n = self.head_norm(u)
         return n, n
 
@@ -163,7 +180,6 @@ class EagleHiSpecForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         layers, head, signature = [], {}, {}
-        n = self.config.num_hidden_layers
         probes = _probe_names(self.target_layers, bool(getattr(self.config, "tie_word_embeddings", False)))
         for name, tensor in weights:
             if name.startswith(HEAD_PREFIX):
@@ -175,8 +191,13 @@ class EagleHiSpecForCausalLM(LlamaForCausalLM):
             if name in probes:
                 signature[name] = sample_values(tensor)
             m = _LAYER.match(name)
-            if m and int(m.group(1)) < n:
+            if m and int(m.group(1)) < self.num_base:
                 layers.append((f"layers.{m.group(1)}.{m.group(2)}", tensor))
+        if self.fuse is not None:  # the head's own layer: its trained copy, after the base's layers
+            block = {k: head.pop(k) for k in list(head) if k.startswith("block.")}
+            if not block:
+                raise ValueError("hispec_vllm: the draft directory lacks the feature_attention head's layer (block.*)")
+            layers += [(f"layers.{self.num_base}.{k[len('block.'):]}", v) for k, v in block.items()]
         self._check_fingerprint(probes, signature)
         AutoWeightsLoader(self.model).load_weights(
             layers, mapper=_weights_mapper(self.model_type))
@@ -203,6 +224,8 @@ class EagleHiSpecForCausalLM(LlamaForCausalLM):
             wanted["proj.weight"] = self.proj.weight
         if self.ctx is not None:
             wanted["ctx.weight"] = self.ctx.weight
+        if self.fuse is not None:
+            wanted["fuse.weight"] = self.fuse.weight
         missing = [k for k in wanted if k not in head] + (["vocab"] if self.exit_ids is not None and "vocab" not in head else [])
         if missing:
             raise ValueError(f"hispec_vllm: the draft directory lacks the head's {', '.join(missing)}")

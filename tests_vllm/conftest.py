@@ -61,14 +61,21 @@ def fresh(base: "TinyBase") -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(base.path).eval()
 
 
-def save_heads(model: torch.nn.Module, out: Path, reject: bool = False, exit_vocab: torch.Tensor | None = None) -> Path:
-    """A deep_context draft head at DRAFT_LAYER: zero-initialised (the base's own exit there), or one
-    whose output is always zero (``reject``: it drafts one fixed token), with the base's config for vLLM."""
-    adapter = HiSpecAdapter.create(decoder_for(model, pack_weights=False), "tiny", [ExitSpec(DRAFT_LAYER, "draft", "deep_context")])
+def save_heads(model: torch.nn.Module, out: Path, reject: bool = False, exit_vocab: torch.Tensor | None = None,
+               head_type: str = "deep_context") -> Path:
+    """A draft head at DRAFT_LAYER: zero-initialised (the base's own exit there; a feature_attention head's
+    layer is then the base's layer L_d, which adds nothing on a base whose exit is exact), or one whose
+    input is always zero (``reject``: it drafts one fixed token), with the base's config for vLLM."""
+    adapter = HiSpecAdapter.create(decoder_for(model, pack_weights=False), "tiny", [ExitSpec(DRAFT_LAYER, "draft", head_type)])
     head = adapter.head(DRAFT_LAYER)
     if reject:
         with torch.no_grad():
-            head.proj.weight.copy_(-torch.eye(head.proj.weight.shape[0]))
+            if head_type == "feature_attention":  # u = h + F [h ; c] = 0
+                hidden = head.fuse.weight.shape[0]
+                head.fuse.weight.zero_()
+                head.fuse.weight[:, :hidden].copy_(-torch.eye(hidden))
+            else:
+                head.proj.weight.copy_(-torch.eye(head.proj.weight.shape[0]))
     if exit_vocab is not None:
         head.set_vocab(exit_vocab)
     adapter.save_pretrained(out)
