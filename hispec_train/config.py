@@ -34,6 +34,9 @@ class TrainConfig:
     base: str | None = _key(None, "Hub id, local dir, .gguf or PEFT LoRA dir of the frozen base (none: embedded SmolLM2)")
     heads_layers: list[int] = _key(None, "exit layers, increasing: the first is the draft exit L_d, the second the "
                                          "intermediate exit L_i, any others extra", factory=lambda: [4, 8])
+    head_roles: list[str] | None = _key(None, "each head's role, in the order of heads_layers: draft, intermediate "
+                                              "or extra (none: draft, intermediate, then extra), e.g. intermediate for "
+                                              "a run that trains only an L_i head")
     head_type: str = _key("residual_linear", "norm, residual_linear, low_rank, deep_context, decoder_block or "
                                              "feature_attention")
     head_options: dict[str, Any] = _key(None, "options of the head type as JSON, e.g. {\"rank\": 32} (low_rank) or "
@@ -80,6 +83,11 @@ class TrainConfig:
         layers = self.heads_layers
         if not layers or any(b <= a for a, b in zip(layers, layers[1:])) or layers[0] < 1:
             raise HiSpecError(f"heads_layers must be increasing layer indices >= 1; got {layers}")
+        roles = self.roles()
+        if len(roles) != len(layers) or any(r not in ("draft", "intermediate", "extra") for r in roles) or any(
+                roles.count(r) > 1 for r in ("draft", "intermediate")):
+            raise HiSpecError(f"head_roles must give each of heads_layers {layers} a role (draft, intermediate or "
+                              f"extra; at most one draft and one intermediate); got {self.head_roles}")
         for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "save_every",
                      "chunk_size", "window"):
             if getattr(self, name) < 1:
@@ -139,6 +147,8 @@ class TrainConfig:
             raise HiSpecError(f"heads_layers {bad} out of range: the base has {num_layers} layers (exits 1..{num_layers - 1})")
 
     def roles(self) -> list[str]:
+        if self.head_roles is not None:
+            return list(self.head_roles)
         return [("draft", "intermediate")[i] if i < 2 else "extra" for i in range(len(self.heads_layers))]
 
     def to_dict(self) -> dict[str, Any]:

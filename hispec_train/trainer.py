@@ -40,7 +40,7 @@ from .zero import check_whole, heads_config, loading_whole, master_weights, shar
 
 logger = logging.getLogger(__name__)
 CONFIG_NAME = "train_config.json"
-RESUME_KEYS = ("base", "heads_layers", "head_type", "head_options", "exit_vocab_size", "seq_len", "features")
+RESUME_KEYS = ("base", "heads_layers", "head_roles", "head_type", "head_options", "exit_vocab_size", "seq_len", "features")
 
 
 class HeadsLoss(nn.Module):

@@ -114,6 +114,14 @@ def test_key_equals_value_overrides_keep_dashes_and_numbers():
     assert cfg.output_dir == "/data/my-run" and cfg.lr == 1e-3 and cfg.heads_layers == [2, 4] and cfg.resume
 
 
+def test_head_roles_name_each_head_and_are_checked():
+    assert load_config(None, {"heads_layers": "8", "head_roles": "intermediate"}).roles() == ["intermediate"]
+    assert load_config(None, {"heads_layers": "2,8,12"}).roles() == ["draft", "intermediate", "extra"]
+    for roles in ("draft", "draft,draft", "draft,verify"):
+        with pytest.raises(HiSpecError, match="head_roles must give each"):
+            load_config(None, {"heads_layers": "2,8", "head_roles": roles})
+
+
 # 4. runs never overwrite each other ---------------------------------------------------------------
 def test_a_run_with_a_checkpoint_needs_resume_or_overwrite(run_dir, trainable_base, tmp_path):
     base = {"output_dir": str(run_dir), "report_to": "none", "base": str(trainable_base), "heads_layers": "1,3"}
