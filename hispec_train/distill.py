@@ -135,6 +135,7 @@ class Agreement:
     chain_reached: dict[int, list[int]] = field(default_factory=dict)  # layer -> per step: positions every earlier
     chain_right: dict[int, list[int]] = field(default_factory=dict)  # draft was right at; ... of which agree
     draft_vs_intermediate: int = 0
+    compared: int = 0  # tokens where a draft and a distinct intermediate head were both scored
 
     def add(self, layer: int, n: int) -> None:
         self.with_final[layer] = self.with_final.get(layer, 0) + n
@@ -145,7 +146,8 @@ class Agreement:
 
     def rates(self) -> dict[str, float]:
         out = {f"agreement/L{layer}": n / self.tokens for layer, n in sorted(self.with_final.items())}
-        out["agreement/draft_vs_intermediate"] = self.draft_vs_intermediate / self.tokens
+        if self.compared:  # a run with one head has nothing to compare
+            out["agreement/draft_vs_intermediate"] = self.draft_vs_intermediate / self.compared
         out |= {f"agreement_true_context/L{layer}": n / self.tokens for layer, n in sorted(self.first_with_final.items())}
         for layer in sorted(self.step_right):
             rates = self.acceptance(layer)
@@ -233,8 +235,9 @@ def agreement(decoder: DecoderModel, heads: dict[int, ExitHead], hidden: dict[in
             ok = torch.zeros_like(ok)
             ok[:, 1:] = nxt[:, :-1] & valid[:, 1:]
         tops[layer] = top[0]
-    if draft in tops and intermediate in tops:
+    if draft != intermediate and draft in tops and intermediate in tops:
         into.draft_vs_intermediate += int(((tops[draft] == tops[intermediate]) & valid).sum())
+        into.compared += int(valid.sum())
     into.tokens += int(valid.sum())
 
 
