@@ -4,8 +4,9 @@
 # Hours of CPU; run it in the background and rerun it after an interruption:
 #   nohup scripts/default_heads.sh > runs/default_heads.log 2>&1 &                   (SmolLM2-135M-Instruct)
 #   MODEL=gemma3 nohup scripts/default_heads.sh > runs/default_heads_gemma3.log 2>&1 &  (Gemma-3-270M)
+#   MODEL=smollm2-feature ...                         (SmolLM2's feature_attention heads, docs/feature-heads.md)
 # Stages write under runs/ (ignored by git); the data set is kept in data/ and committed.
-# Env: MODEL (smollm2 or gemma3), TOKENS (answer tokens), STEPS (training steps), OUT (adapter dir).
+# Env: MODEL (smollm2, smollm2-feature or gemma3), TOKENS (answer tokens), STEPS (training steps), OUT (adapter dir).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_setup.sh
@@ -13,11 +14,18 @@ MODEL=${MODEL:-smollm2}
 case "$MODEL" in
   smollm2)  # a chat model: ShareGPT and HumanEval requests, in its chat template
     BASE=(); PROMPTS=sharegpt,humaneval; NEW=384; LAYERS=2,8; RUN=smollm2-135m; TUNE_PROMPTS=mixed
+    EXTRA_RUN=; EXTRA_ARGS=()
     TOKENS=${TOKENS:-2000000}; STEPS=${STEPS:-1500} ;;
+  smollm2-feature)  # the same data and store; feature_attention heads at L2 (draft) and L8 (intermediate),
+    # trained apart and shipped together (docs/feature-heads.md; not the default: not faster, see there)
+    MODEL=smollm2; BASE=(); PROMPTS=sharegpt,humaneval; NEW=384; LAYERS=2,8; RUN=smollm2-135m-feature
+    TUNE_PROMPTS=mixed; EXTRA_RUN=smollm2-135m-feature-l8; EXTRA_ARGS=(--heads-layers 8 --head-roles intermediate)
+    OUT=${OUT:-runs/heads-smollm2-feature}; TOKENS=${TOKENS:-2000000}; STEPS=${STEPS:-1400} ;;
   gemma3)  # a pretrained base model: plain-text continuations
     BASE=(--base gemma3-270m); PROMPTS=continuation; NEW=256; LAYERS=2,4,6,9; RUN=gemma3-270m; TUNE_PROMPTS=continuation
+    EXTRA_RUN=; EXTRA_ARGS=()
     TOKENS=${TOKENS:-200000}; STEPS=${STEPS:-240} ;;
-  *) echo "MODEL must be smollm2 or gemma3" >&2; exit 2 ;;
+  *) echo "MODEL must be smollm2, smollm2-feature or gemma3" >&2; exit 2 ;;
 esac
 DATA=data/selfdistill-$MODEL
 STORE=store-$MODEL
@@ -41,15 +49,25 @@ if [ "$(cat "runs/$STORE.done" 2>/dev/null)" != "$TOKENS" ]; then
   echo "$TOKENS" > "runs/$STORE.done"
 fi
 
-stamp "heads: $STEPS steps (runs/$RUN)"
-if [ "$(cat "runs/$RUN.done" 2>/dev/null)" != "$TOKENS" ]; then
-  mode=$(mode_for "$RUN")
-  echo "$TOKENS" > "runs/$RUN.building"
-  hispec-train --recipe "recipes/$RUN.yaml" --max-steps "$STEPS" $mode
-  echo "$TOKENS" > "runs/$RUN.done"
+train_run() {  # train_run NAME [recipe overrides...]: runs/NAME from recipes/$RUN.yaml, resumably
+  local name=$1; shift
+  stamp "heads: $STEPS steps (runs/$name)"
+  if [ "$(cat "runs/$name.done" 2>/dev/null)" != "$TOKENS" ]; then
+    mode=$(mode_for "$name")
+    echo "$TOKENS" > "runs/$name.building"
+    hispec-train --recipe "recipes/$RUN.yaml" --max-steps "$STEPS" --output-dir "runs/$name" "$@" $mode
+    echo "$TOKENS" > "runs/$name.done"
+  fi
+}
+train_run "$RUN"
+with=()
+if [ -n "$EXTRA_RUN" ]; then  # the intermediate head, trained apart and shipped beside the draft head
+  train_run "$EXTRA_RUN" "${EXTRA_ARGS[@]}"
+  hispec-export "runs/$EXTRA_RUN" --out "runs/heads-$EXTRA_RUN" --overwrite
+  with=(--with-exits "runs/heads-$EXTRA_RUN")
 fi
 
 stamp "export to $OUT, tune"
-hispec-export "runs/$RUN" --out "$OUT" --overwrite
+hispec-export "runs/$RUN" --out "$OUT" --overwrite "${with[@]}"
 hispec-tune "${BASE[@]}" --heads "$OUT" --dtypes bfloat16,float32 --num-prompts 8 --prompts "$TUNE_PROMPTS"
 stamp "done: copy $OUT to hispec_decode/default_heads/${BASE[1]:-smollm2-135m} to ship it"
