@@ -150,12 +150,12 @@ def test_smollm2_bf16_default_heads_equal_autoregressive():
 
 
 def test_bf16_default_is_batch_invariant_where_it_is_free(tiny_models):
-    """bf16 on a CPU with the compiled AMX kernels is batch-invariant by default (the mode costs
-    nothing there); fp32 and an explicit ``batch_invariant=False`` are not."""
+    """bf16 on a CPU with the compiled bf16 linear (AMX, AVX-512 BF16 or AVX2) is batch-invariant by
+    default (the mode costs nothing there); fp32 and an explicit ``batch_invariant=False`` are not."""
     model = tiny_models["llama"].load(dtype="bfloat16")
     assert model.decoder.batch_invariant == model.decoder.invariance_is_free()
     assert not tiny_models["llama"].load().decoder.batch_invariant
     assert not tiny_models["llama"].load(dtype="bfloat16", batch_invariant=False).decoder.batch_invariant
     if not model.decoder.invariance_is_free():
-        pytest.skip("no AMX kernels here: the bf16 default stays off")
+        pytest.skip("no compiled bf16 linear here: the bf16 default stays off")
     _bf16_equal_to_autoregressive(model, SPECULATIVE[2:], batch_sizes=(1, 3))

@@ -36,6 +36,15 @@ class PagedKVCache:
         # padding's values by probability 0, which must not meet a NaN left in uninitialised memory.
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._stack_pools = None
+
+    def stack_pools(self):
+        """The pools as the compiled layer stack takes them (:mod:`hispec_decode.kernels`), made once."""
+        if self._stack_pools is None:
+            from .. import kernels
+
+            self._stack_pools = kernels.ops().StackPools(self.keys, self.values)
+        return self._stack_pools
 
     def slots(self, seq_id: int, start: int, end: int) -> Slots:
         """Pool slots of positions ``start..end`` of ``seq_id`` (a slice when contiguous)."""

@@ -1,8 +1,8 @@
 """Compiled CPU kernels for the decode path, with the torch code they replace as the fallback.
 
 C++/OpenMP kernels (``csrc/``) replace chains of small torch ops or slow kernels on a
-decoding step: a bf16 linear on a VNNI-packed weight (on AMX tiles for every row count, which
-streams the weight at about memory bandwidth; an AVX-512 BF16 loop on CPUs without AMX), attention
+decoding step: a bf16 linear on a VNNI-packed weight for every row count (on AMX tiles, else an
+AVX-512 BF16 loop, else an AVX2 + FMA loop; each reads the weight once per call), attention
 of every query row of a pass over its own paged K/V in one call, RMSNorm (Llama's and Gemma's), rotary embedding,
 ``silu(gate) * up`` and the greedy argmax of every logits row.
 Each rounds where the torch ops do (:mod:`.native` holds those ops; the tests compare both), and
@@ -31,7 +31,7 @@ from . import native
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_attention.cpp", "elementwise.cpp")
+SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_attention.cpp", "elementwise.cpp", "stack.cpp")
 ENV_SWITCH = "HISPEC_KERNELS"  # "0" turns the kernels off
 ENV_DIR = "HISPEC_KERNELS_DIR"
 
@@ -141,8 +141,17 @@ def disabled() -> Iterator[None]:
 
 
 def has_linear_bf16() -> bool:
+    """The compiled bf16 linear (AVX-512 BF16, or AVX2 + FMA) is built here."""
     k = ops()
     return k is not None and k.linear_bf16_available()
+
+
+def linear_kind() -> str:
+    """Which loop serves bf16 linears here: ``amx``, ``avx512_bf16``, ``avx2`` or ``onednn``."""
+    k = ops()
+    if k is None or not k.linear_bf16_available():
+        return "onednn"
+    return "amx" if has_amx() else k.linear_bf16_kind()
 
 
 def has_amx() -> bool:
@@ -158,8 +167,7 @@ def main() -> None:
     if k is None:
         print("[kernels] not built: the torch fallbacks will be used")
     else:
-        avx = "yes" if k.linear_bf16_available() else "no, oneDNN is used"
-        print(f"[kernels] ready in {build_directory()} (AVX-512 BF16 linear: {avx}; AMX: {'yes' if has_amx() else 'no'})")
+        print(f"[kernels] ready in {build_directory()} (bf16 linears: {linear_kind()})")
 
 
 def _use(*xs: torch.Tensor) -> ModuleType | None:

@@ -91,12 +91,22 @@ class AttentionMeta:
     rope: tuple[torch.Tensor, torch.Tensor] | dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     _groups: list[RowGroup] | None = field(default=None, repr=False)
     _rows: PagedRows | None = field(default=None, repr=False)
+    _stack_rows: object | None = field(default=None, repr=False)
 
     def paged_rows(self, cache: PagedKVCache) -> PagedRows:
         """Every new row's sequence, visible keys and block table for the paged kernel (once per call)."""
         if self._rows is None:
             self._rows = PagedRows.build(self.segments, cache, self.positions)
         return self._rows
+
+    def stack_rows(self, cache: PagedKVCache) -> object:
+        """:meth:`paged_rows` and the write slots as the compiled layer stack takes them (once per call)."""
+        if self._stack_rows is None:
+            rows = self.paged_rows(cache)
+            write = _as_index(self.write) if isinstance(self.write, slice) else self.write.cpu()
+            self._stack_rows = kernels.ops().StackRows(write, rows.seq, rows.length, rows.position, rows.tree_base,
+                                                       rows.tree_mask, rows.tables, cache.block_size)
+        return self._stack_rows
 
     def row_groups(self, block_size: int) -> list[RowGroup]:
         """The segments with one new token in padded groups (built once per call)."""

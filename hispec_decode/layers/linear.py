@@ -3,18 +3,16 @@
 At batch 1 a decoder is a chain of matrix-vector products, bound by reading the weights. On CPU
 the engine keeps packed copies of the linear weights (``pack_weights=False`` turns it off):
 
-- oneDNN's blocked layout (``_reorder_linear_weight``), about twice as fast as ``F.linear``;
-- in bf16 where the compiled kernels are built, a VNNI layout for this project's kernels
-  (:mod:`hispec_decode.kernels`): AMX tiles where the CPU has them, for every call (on a chain of
-  SmolLM2's 120 per-layer weights 6.0 ms at 1 row and 6.7 ms at 16, where oneDNN's packed kernel
-  took 10-18 ms: the weights stream at about the memory bandwidth at any row count); else an
-  AVX-512 BF16 loop for calls of up to :data:`VNNI_MAX_ROWS` rows (1.4-2x oneDNN there, but
-  compute-bound from 8 rows on) and oneDNN above. Both kernels compute every row in an order that
-  ignores the other rows, so with AMX every linear is batch-invariant as it stands, and the
-  batch-invariant mode runs every call on one of them instead of cutting calls into fixed-size
-  chunks.
+- in bf16 where the compiled kernels are built, a VNNI layout for this project's kernel
+  (:mod:`hispec_decode.kernels`), which serves every call whatever its row count: on AMX tiles
+  where the CPU has them, else an AVX-512 BF16 loop, else an AVX2 + FMA loop (weights widened to
+  float32 in registers). Each reads every weight once per call and computes each row in an order
+  that ignores the other rows, so a call over 8 rows costs little more than one over 1 row where
+  the CPU has the arithmetic to spare, and every bf16 linear is batch-invariant as it stands;
+- otherwise (float32, or bf16 without the kernels) oneDNN's blocked layout
+  (``_reorder_linear_weight``), about twice as fast as ``F.linear``; the batch-invariant mode then
+  cuts calls into chunks of a fixed row count.
 
-The price is memory: one packed copy beside the model's own weights (two on a CPU without AMX).
 Elsewhere (CUDA, float16), linears sharing an input are fused by re-pointing the module parameters
 at slices of one concatenated tensor, so nothing is stored twice.
 """
@@ -29,9 +27,6 @@ from torch import nn
 
 from .. import kernels
 
-VNNI_MAX_ROWS = 4  # calls of at most this many rows use the VNNI kernel (measured, see above)
-
-
 def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N/16), Kp/2, 16, 2] (K zero-padded to Kp, a multiple of 32, as AMX tiles
     need): per 16 output columns and input pair one 64-byte vector."""
@@ -43,7 +38,7 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
 def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
                 amx: bool = False) -> torch.Tensor:
     """``x @ W.T + bias`` on a :func:`pack_vnni` weight with ``n`` outputs (bf16, CPU), on the
-    AVX-512 loop or (``amx``) on AMX tiles."""
+    CPU's vector loop (AVX-512 BF16 or AVX2) or (``amx``) on AMX tiles."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[1] != 2 * packed.shape[1]:
@@ -86,8 +81,8 @@ def in_row_chunks(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, rows: int)
 
 class FusedLinear:
     """``y = x @ cat(W_i).T + cat(b_i)`` for linears that read the same input; with ``rows`` set
-    (the batch-invariant mode), every call runs on the VNNI kernel where it exists, else on
-    chunks of exactly that many rows."""
+    (the batch-invariant mode) and no VNNI kernel, every call runs on chunks of exactly that many
+    rows (the VNNI kernel is row-independent as it stands)."""
 
     def __init__(self, linears: list[nn.Linear], pack: bool = True, rows: int | None = None) -> None:
         self.rows = rows
@@ -96,14 +91,13 @@ class FusedLinear:
         has_bias = any(lin.bias is not None for lin in linears)
         biases = [lin.bias.detach() if lin.bias is not None else w.new_zeros(w.shape[0]) for lin, w in zip(linears, weights)]
         self.packed = pack and can_pack(weights[0])
-        self.vnni: torch.Tensor | None = None  # the VNNI copy (bf16 with the compiled kernel)
+        self.vnni: torch.Tensor | None = None  # the VNNI copy (bf16 with the compiled kernel), used for every call
         self.out_features = sum(self.sizes)
         self.amx = False  # every call on AMX tiles over the VNNI copy
         if self.packed and weights[0].dtype == torch.bfloat16 and kernels.has_linear_bf16():
             self.vnni = pack_vnni(torch.cat(weights) if len(weights) > 1 else weights[0])
             self.vnni_bias = torch.cat(biases).float() if has_bias else None
             self.amx = kernels.has_amx()
-        if self.packed and self.vnni is not None and (rows is not None or self.amx):  # no oneDNN copy needed
             self.weight, self.bias = None, None
         elif self.packed:
             weight = torch.cat(weights) if len(weights) > 1 else weights[0]
@@ -121,12 +115,14 @@ class FusedLinear:
                     lin.bias = nn.Parameter(self.bias[offset : offset + n], requires_grad=False)
                 offset += n
 
+    @property
+    def row_independent(self) -> bool:
+        """Whether every call computes each row alone (the VNNI kernel): batch-invariant for free."""
+        return self.vnni is not None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.vnni is not None:
-            if self.amx:
-                return vnni_linear(x, self.vnni, self.vnni_bias, self.out_features, amx=True)
-            if self.rows is not None or x[..., 0].numel() <= VNNI_MAX_ROWS:  # batch-invariant: every call
-                return vnni_linear(x, self.vnni, self.vnni_bias, self.out_features)
+            return vnni_linear(x, self.vnni, self.vnni_bias, self.out_features, amx=self.amx)
         if self.rows is not None:
             return in_row_chunks(self._apply, x, rows=self.rows)
         return self._apply(x)

@@ -18,7 +18,7 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from torch import nn
 from .. import kernels
 from ..cache.kv_cache import PagedKVCache
 from ..errors import HiSpecError
-from ..layers.attention import AttentionMeta, TreeRows, attend, attend_invariant, build_meta
+from ..layers.attention import PAGED_MAX_NEW, AttentionMeta, TreeRows, attend, attend_invariant, build_meta
 from ..layers.linear import FusedLinear, in_row_chunks
 
 
@@ -48,6 +48,16 @@ class LayerKernels:
     mlp_in: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None  # None: an attention-only layer (a
     mlp_out: Callable[[torch.Tensor], torch.Tensor] | None  # Kangaroo-style head's block, its MLP removed)
     sliding_window: int | None = None  # attention span of a sliding-window layer (Qwen3); None: all
+    fused: tuple[FusedLinear, ...] = ()  # packed kernels: qkv, out, mlp_in, mlp_out (what a layer stack runs)
+
+
+def stack_linear(k: Any, linear: FusedLinear) -> Any | None:
+    """A packed linear for the compiled layer stack: its VNNI weight, or oneDNN's without row chunks."""
+    if linear.vnni is not None:
+        return k.StackLinear(linear.vnni, linear.vnni_bias, None, None, linear.out_features, linear.amx)
+    if linear.packed and linear.rows is None:
+        return k.StackLinear(None, None, linear.weight, linear.bias, linear.out_features, False)
+    return None
 
 
 def module_linears(*linears: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
@@ -72,6 +82,7 @@ class DecoderModel(ABC):
         self.kept_norm: dict[str, torch.Tensor] | None = None  # see keep_exit
         self._vocab_kernels: dict = {}  # see vocab_logits: id(tensor) -> (tensor, kernel), content -> kernel
         self.row_bucket: int | None = None  # the batch-invariant mode's fixed GEMM row count (set_batch_invariant)
+        self.use_stack = True  # run layers on the compiled layer stack where it can (see layer_stack)
 
     def set_batch_invariant(self, rows: int | None = INVARIANT_ROWS) -> None:
         """Make every row's numbers independent of the other rows of its pass and of their count:
@@ -86,6 +97,7 @@ class DecoderModel(ABC):
         self.lm_head_kernel = FusedLinear([self.lm_head], self.pack and self.kept_norm is None, rows)
         self._vocab_kernels = {}
         self.__dict__.pop("layer_kernels", None)  # rebuilt with the new row bucket on first use
+        self.__dict__.pop("layer_stack", None)
 
     @property
     def batch_invariant(self) -> bool:
@@ -93,11 +105,11 @@ class DecoderModel(ABC):
 
     def invariance_is_free(self) -> bool:
         """Whether the batch-invariant mode costs nothing measurable here (the default then): bf16 on a
-        CPU whose linears all run on the compiled AMX kernel, which is row-independent as it stands,
-        so the mode only changes how prefill attention is computed (measured: within 5% at batch 1,
-        4 and 16; docs/batch-invariance.md)."""
+        CPU whose linears all run on the compiled VNNI kernel (AMX, AVX-512 BF16 or AVX2), which is
+        row-independent as it stands, so the mode only changes how attention is computed (every row on
+        the paged kernel; docs/batch-invariance.md)."""
         return (self.dtype == torch.bfloat16 and self.device.type == "cpu" and self.pack
-                and kernels.has_amx())
+                and kernels.has_linear_bf16())
 
     def rowwise(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
         """``fn(*xs)`` for a row-wise ``fn`` with linears inside (an exit head, a projection): in row
@@ -108,6 +120,30 @@ class DecoderModel(ABC):
     def layer_kernels(self) -> list[LayerKernels]:
         """Kernels of every base layer, built on first use (training never runs them)."""
         return [self.kernels(layer) for layer in self.layers]
+
+    @cached_property
+    def layer_stack(self) -> Any | None:
+        """Every base layer on the compiled :class:`LayerStack` (:mod:`hispec_decode.kernels`): a run
+        of layers in one call, the same kernels in the same order as :meth:`block`, without Python
+        per op. None where a layer cannot run on it (no kernels, not on CPU, a linear without a
+        packed kernel, an architecture or activation it does not know)."""
+        k = kernels.ops()
+        if k is None or self.device.type != "cpu":
+            return None
+        layers = [self.stack_layer(k, lk) for lk in self.layer_kernels]
+        if any(layer is None for layer in layers):
+            return None
+        stack = k.LayerStack(self.config.num_attention_heads, self.num_kv_heads, self.head_dim, self.stack_activation())
+        for layer in layers:
+            stack.add(layer)
+        return stack
+
+    def stack_layer(self, k: Any, lk: LayerKernels) -> Any | None:
+        """One layer for the compiled stack (``k``: the kernels module), None if it cannot run there."""
+        return None
+
+    def stack_activation(self) -> str:
+        return "silu"
 
     def min_sliding_window(self) -> int | None:
         """The smallest attention span of a sliding-window layer, None if no layer has one (a draft
@@ -203,10 +239,21 @@ class DecoderModel(ABC):
         return self.block(self.kernels(module, packed=False), h, self.rope_for(h.shape[1]), attn)
 
     def run(self, h: torch.Tensor, lo: int, hi: int, meta: AttentionMeta, cache: PagedKVCache) -> torch.Tensor:
-        """Run ``layers[lo:hi]``."""
+        """Run ``layers[lo:hi]``: on the compiled layer stack where every row's attention is the paged
+        kernel's (decoding and verification; every call in the batch-invariant mode), else layer by layer."""
+        stack = self.layer_stack if self.use_stack and hi > lo else None
+        if stack is not None and kernels.ops() is not None and (
+                self.row_bucket is not None or all(s.num_new <= PAGED_MAX_NEW for s in meta.segments)):
+            cos, sin = self.stack_rope(meta.rope)
+            return stack.run(h, lo, hi, cos, sin, meta.stack_rows(cache), cache.stack_pools())
         for i in range(lo, hi):
             h = self.cached_block(self.layer_kernels[i], h, meta, cache, i)
         return h
+
+    def stack_rope(self, rope: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The call's rotary rows as the stack's lists of tables (one table unless a family has more)."""
+        cos, sin = rope
+        return [cos], [sin]
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The shared LM head (input: the output of :meth:`exit_norm`, cast to the model's dtype)."""

@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import kernels
 from ..errors import UnsupportedArchitectureError
-from .base import AttentionFn, LayerKernels
+from .base import AttentionFn, LayerKernels, stack_linear
 from .llama import LlamaModel
 
 RopeTables = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> cos, sin [1, 1, T, head_dim]
@@ -91,6 +91,25 @@ class Gemma3Model(LlamaModel):
             return h
         gate, up = k.mlp_in(_norm(h, layer.pre_feedforward_layernorm)).chunk(2, dim=-1)
         return h + _norm(k.mlp_out(layer.mlp.act_fn(gate) * up), layer.post_feedforward_layernorm)
+
+    def stack_layer(self, k, lk: LayerKernels):
+        layer, a = lk.module, lk.module.self_attn
+        act = getattr(layer.mlp, "act_fn", None)
+        gelu = type(act).__name__ == "GELUTanh" and getattr(getattr(act, "act", None), "keywords", {}) == {"approximate": "tanh"}
+        linears = [stack_linear(k, f) for f in lk.fused]
+        if not lk.fused or not gelu or None in linears:
+            return None
+        norm = lambda n: k.StackNorm(_scale(n.weight, n), n.eps, True)
+        return k.StackLayer(*linears, norm(layer.input_layernorm), norm(layer.pre_feedforward_layernorm),
+                            norm(layer.post_attention_layernorm), norm(layer.post_feedforward_layernorm),
+                            norm(a.q_norm), norm(a.k_norm), lk.sliding_window or 0,
+                            self.layer_types.index(a.layer_type), a.scaling)
+
+    def stack_activation(self) -> str:
+        return "gelu_tanh"
+
+    def stack_rope(self, rope: RopeTables) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [rope[t][0] for t in self.layer_types], [rope[t][1] for t in self.layer_types]
 
     def exit_norm(self, h: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         weight = (self.norm_params() if params is None else params)["weight"]

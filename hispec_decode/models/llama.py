@@ -8,7 +8,7 @@ from torch import nn
 from .. import kernels
 from ..layers.attention import AttentionMeta, TreeRows
 from ..cache.kv_cache import PagedKVCache
-from .base import AttentionFn, DecoderModel, LayerKernels, module_linears
+from .base import AttentionFn, DecoderModel, LayerKernels, module_linears, stack_linear
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [1, 1, T, head_dim]
 
@@ -79,8 +79,9 @@ class LlamaModel(DecoderModel):
             qkv = self.linear(a.q_proj, a.k_proj, a.v_proj).split if packed else module_linears(a.q_proj, a.k_proj, a.v_proj)
             return LayerKernels(module, qkv, self.linear(a.o_proj) if packed else a.o_proj, None, None, sliding_window)
         if packed:  # mlp_in: the fused [..., 2 * intermediate] gate/up output
-            return LayerKernels(module, self.linear(a.q_proj, a.k_proj, a.v_proj).split, self.linear(a.o_proj),
-                                self.linear(mlp.gate_proj, mlp.up_proj), self.linear(mlp.down_proj), sliding_window)
+            fused = (self.linear(a.q_proj, a.k_proj, a.v_proj), self.linear(a.o_proj),
+                     self.linear(mlp.gate_proj, mlp.up_proj), self.linear(mlp.down_proj))
+            return LayerKernels(module, fused[0].split, *fused[1:], sliding_window, fused)
         return LayerKernels(module, module_linears(a.q_proj, a.k_proj, a.v_proj), a.o_proj,
                             lambda x: torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1), mlp.down_proj, sliding_window)
 
@@ -103,6 +104,17 @@ class LlamaModel(DecoderModel):
             return h + k.mlp_out(kernels.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return h + k.mlp_out(layer.mlp.act_fn(gate) * up)
+
+    def stack_layer(self, k, lk: LayerKernels):
+        if not lk.fused or self.config.hidden_act != "silu":
+            return None
+        linears = [stack_linear(k, f) for f in lk.fused]
+        layer, a = lk.module, lk.module.self_attn
+        norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([a.q_norm, a.k_norm] if hasattr(a, "q_norm") else [])
+        if None in linears or any(n.weight.dtype != self.dtype for n in norms):
+            return None
+        inp, post, *qk = (k.StackNorm(n.weight.detach(), n.variance_epsilon, False) for n in norms)
+        return k.StackLayer(*linears, inp, post, None, None, *(qk or (None, None)), lk.sliding_window or 0, 0, a.scaling)
 
     def model_norm_params(self) -> dict[str, torch.Tensor]:
         return {"weight": self.inner.norm.weight}

@@ -21,7 +21,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -90,6 +90,7 @@ inline void rows_tile(int64_t m0, int64_t mb, const uint32_t* x, int64_t K2, con
 }  // namespace
 
 bool linear_bf16_available() { return true; }
+std::string linear_bf16_kind() { return "avx512_bf16"; }
 
 // x: [M, 2*K2] bf16 contiguous (K padded to even by the caller); wp: [Np/16, K2, 16, 2] bf16;
 // bias: fp32 [Np] or empty. Returns [M, Np] bf16 (Np = N rounded up to 16).
@@ -116,11 +117,111 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& wp, const
   return y;
 }
 
-#else  // no AVX-512 BF16 at build time: the caller keeps oneDNN
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// AVX2 + FMA (no AVX-512 BF16): the same VNNI weight, read as 32-bit lanes of (w[n, 2i], w[n, 2i+1])
+// pairs for 8 columns per 256-bit load. A lane shifted left by 16 is w[n, 2i] as float32, the lane
+// with its low half cleared is w[n, 2i+1]: two integer ops turn 8 weight pairs into two float32
+// vectors, each then used for every row of the tile (one FMA per row and vector). Output (m, n)
+// adds x[m, 2i] w[n, 2i], then x[m, 2i+1] w[n, 2i+1], for i in increasing order, into its own
+// accumulator: the same order for any M, so a row's bits never depend on the others.
+
+namespace {
+
+constexpr int64_t kCols = 16;  // output columns per packed block (two 8-column units)
+
+// float32 -> bf16, rounded to nearest even, for 8 values (as c10::BFloat16 rounds finite values)
+inline __m128i bf16_bits8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..r3 r0..r3 | r4..r7 r4..r7
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+// rows x[0..MB) (float32, stride Kp), NU units of 8 columns from unit 0 of block w (unit j: block
+// j / 2, half j % 2); y columns n0 .. n0 + 8 NU
+template <int MB, int NU>
+inline void tile(const float* x, int64_t Kp, const uint16_t* w, int64_t block, int64_t K2, const float* bias,
+                 uint16_t* y, int64_t y_stride, int64_t n0) {
+  __m256 acc[MB][NU];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NU; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    __m256 even[NU], odd[NU];
+    for (int j = 0; j < NU; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (j / 2) * block + k2 * 2 * kCols +
+                                                                            (j % 2) * 16));
+      even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      odd[j] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m256 x0 = _mm256_broadcast_ss(x + i * Kp + 2 * k2), x1 = _mm256_broadcast_ss(x + i * Kp + 2 * k2 + 1);
+      for (int j = 0; j < NU; ++j) acc[i][j] = _mm256_fmadd_ps(x1, odd[j], _mm256_fmadd_ps(x0, even[j], acc[i][j]));
+    }
+  }
+  for (int j = 0; j < NU; ++j) {
+    const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + 8 * j) : _mm256_setzero_ps();
+    for (int i = 0; i < MB; ++i)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i * y_stride + n0 + 8 * j), bf16_bits8(_mm256_add_ps(acc[i][j], b)));
+  }
+}
+
+// column blocks [b, b + NU / 2) for every row, in tiles of up to MB rows
+template <int MB, int NU>
+inline void rows_of(const float* x, int64_t M, int64_t Kp, const uint16_t* w, int64_t block, int64_t K2,
+                    const float* bias, uint16_t* y, int64_t Np, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + MB <= M; m0 += MB) tile<MB, NU>(x + m0 * Kp, Kp, w, block, K2, bias, y + m0 * Np, Np, n0);
+  switch (M - m0) {  // the last rows
+    case 3: tile<3, NU>(x + m0 * Kp, Kp, w, block, K2, bias, y + m0 * Np, Np, n0); break;
+    case 2: tile<2, NU>(x + m0 * Kp, Kp, w, block, K2, bias, y + m0 * Np, Np, n0); break;
+    case 1: tile<1, NU>(x + m0 * Kp, Kp, w, block, K2, bias, y + m0 * Np, Np, n0); break;
+    default: break;
+  }
+}
+
+// the blocks [begin, end) for every row: NB blocks at a time (more independent accumulators when
+// there are few rows), one at a time at the end of the range
+template <int MB, int NB>
+inline void blocks_of(const float* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t block, int64_t K2,
+                      const float* bias, uint16_t* y, int64_t Np, int64_t begin, int64_t end) {
+  int64_t b = begin;
+  for (; b + NB <= end; b += NB)
+    rows_of<MB, 2 * NB>(x, M, Kp, W + b * block, block, K2, bias, y, Np, b * kCols);
+  for (; b < end; ++b) rows_of<MB, 2>(x, M, Kp, W + b * block, block, K2, bias, y, Np, b * kCols);
+}
+
+}  // namespace
+
+bool linear_bf16_available() { return true; }
+std::string linear_bf16_kind() { return "avx2"; }
+
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias) {
+  check_operands(x, wp, "linear_bf16");
+  const int64_t M = x.size(0), blocks = wp.size(0), K2 = wp.size(1), Np = blocks * kCols, Kp = 2 * K2;
+  auto y = torch::empty({M, Np}, x.options());
+  const auto xf = x.to(at::kFloat);  // x converted once; each of its values is broadcast to a whole vector
+  const float* X = xf.data_ptr<float>();
+  const uint16_t* W = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const int64_t block = K2 * 2 * kCols;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    if (M == 1) blocks_of<1, 4>(X, M, Kp, W, block, K2, B, Y, Np, begin, end);       // 8 accumulators
+    else if (M == 2) blocks_of<2, 2>(X, M, Kp, W, block, K2, B, Y, Np, begin, end);  // 8
+    else blocks_of<4, 1>(X, M, Kp, W, block, K2, B, Y, Np, begin, end);              // 8, 6 or 4
+  });
+  return y;
+}
+
+#else  // neither AVX-512 BF16 nor AVX2 + FMA at build time: the caller keeps oneDNN
 
 bool linear_bf16_available() { return false; }
+std::string linear_bf16_kind() { return "none"; }
 torch::Tensor linear_bf16(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
-  TORCH_CHECK(false, "linear_bf16: built without AVX-512 BF16");
+  TORCH_CHECK(false, "linear_bf16: built without AVX-512 BF16 or AVX2");
 }
 
 #endif
