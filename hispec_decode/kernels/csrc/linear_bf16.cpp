@@ -145,24 +145,34 @@ template <int MB, int NU>
 inline void tile(const float* x, int64_t Kp, const uint16_t* w, int64_t block, int64_t K2, const float* bias,
                  uint16_t* y, int64_t y_stride, int64_t n0) {
   __m256 acc[MB][NU];
+#pragma GCC unroll 16
   for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 16
     for (int j = 0; j < NU; ++j) acc[i][j] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const uint16_t* units[NU];
+#pragma GCC unroll 16
+  for (int j = 0; j < NU; ++j) units[j] = w + (j / 2) * block + (j % 2) * 16;
   for (int64_t k2 = 0; k2 < K2; ++k2) {
+    const int64_t at = k2 * 2 * kCols;
     __m256 even[NU], odd[NU];
+#pragma GCC unroll 16
     for (int j = 0; j < NU; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (j / 2) * block + k2 * 2 * kCols +
-                                                                            (j % 2) * 16));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(units[j] + at));
       even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
       odd[j] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
     }
+#pragma GCC unroll 16
     for (int i = 0; i < MB; ++i) {
       const __m256 x0 = _mm256_broadcast_ss(x + i * Kp + 2 * k2), x1 = _mm256_broadcast_ss(x + i * Kp + 2 * k2 + 1);
+#pragma GCC unroll 16
       for (int j = 0; j < NU; ++j) acc[i][j] = _mm256_fmadd_ps(x1, odd[j], _mm256_fmadd_ps(x0, even[j], acc[i][j]));
     }
   }
+#pragma GCC unroll 16
   for (int j = 0; j < NU; ++j) {
     const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + 8 * j) : _mm256_setzero_ps();
+#pragma GCC unroll 16
     for (int i = 0; i < MB; ++i)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i * y_stride + n0 + 8 * j), bf16_bits8(_mm256_add_ps(acc[i][j], b)));
   }
