@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .. import machine
 from ..cache.block_manager import DEFAULT_BLOCK_SIZE
 from ..config import SpeculativeConfig
 from ..data.prompts import CHAT_FREE, CHAT_PROMPTS, PROMPT_SETS, encode_prompt, prompt_set
@@ -114,7 +115,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from ..api import HiSpecModel
 
     results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
-                               "num_prompts": args.num_prompts, "dtypes": {}}
+                               "num_prompts": args.num_prompts, "machine": machine.describe(), "dtypes": {}}
     for dtype in args.dtypes.split(","):
         models = ModelVariants(lambda invariant, other: HiSpecModel.from_pretrained(
             args.base, args.heads_b if other else args.heads, dtype=dtype, batch_invariant=invariant),
@@ -165,7 +166,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_table(results: dict[str, Any]) -> str:
-    lines = []
+    lines = [machine_line(results)]
     width = max([15, *(len(m) for res in results["dtypes"].values() for m in res["methods"])])
     head = (f"{'dtype':9} {'method':{width}} {'tok/s':>8} {'x HF':>6} {'x AR':>6} {'acc L_i':>8} {'acc L_f':>8} "
             f"{'tok/full':>9} {'= HF':>7} {'= AR':>7}")
@@ -286,6 +287,10 @@ def _run(args: argparse.Namespace, default_num_prompts: int) -> int:
     return 0
 
 
+def machine_line(results: dict[str, Any]) -> str:
+    return f"machine: {machine.summary(results.get('machine') or {})}"
+
+
 def plot_methods(results: dict[str, Any], path: Path) -> None:
     """Per dtype: tokens/s of each method (bars, with the ratio to autoregressive) and accepted
     tokens per full-model pass."""
@@ -351,7 +356,9 @@ def _batched(args: argparse.Namespace, default_num_prompts: int) -> int:
     sizes = args.batch_sizes
     num_prompts = max(sizes) if args.num_prompts == default_num_prompts else args.num_prompts
     results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "schedule": args.schedule,
-                               "num_prompts": num_prompts, "max_batches": args.max_batches, "dtypes": {}}
+                               "num_prompts": num_prompts, "max_batches": args.max_batches,
+                               "machine": machine.describe(), "dtypes": {}}
+    print(machine_line(results))
     for dtype in args.dtypes.split(","):
         models = ModelVariants(lambda invariant, other: HiSpecModel.from_pretrained(
             args.base, args.heads_b if other else args.heads, dtype=dtype, batch_invariant=invariant),
