@@ -13,7 +13,7 @@ import torch
 
 from .adapter import HiSpecAdapter, compute_fingerprint
 from .config import SPECULATIVE_FIELDS, EngineConfig, SpeculativeConfig, checked, split_overrides, unknown_arguments
-from .decoding.policy import Policy, resolve_policy
+from .decoding.policy import TUNABLE, Policy, resolve_policy
 from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
 from .errors import AdapterError
@@ -52,6 +52,20 @@ class HiSpecModel:
         if adapter is not None:
             heads = {int(k): h.to(decoder.dtype).eval().requires_grad_(False) for k, h in adapter.heads.items()}
         self.runner = ModelRunner(decoder, heads)
+        self._machine_policies: dict[str, Any] | None = None  # see tuned_policy
+
+    def tuned_policy(self, method: str) -> dict[str, Any] | None:
+        """The policy this machine uses for ``method`` by default: tuned or derived here
+        (:func:`hispec_decode.tuning.derive.machine_policy`: the first call on a new machine measures
+        its pass costs, seconds), else the one stored in the adapter, else None."""
+        if self.adapter is None or method not in ("hispec", "self_spec"):
+            return None
+        if self._machine_policies is None:
+            from .tuning.derive import machine_policy
+
+            self._machine_policies = {}  # deriving decodes with explicit policies: no re-entry
+            self._machine_policies = machine_policy(self) or {}
+        return self._machine_policies.get(method) or self.adapter.config.tuned_policy(method, self.decoder.dtype)
 
     @classmethod
     def from_pretrained(
@@ -115,7 +129,8 @@ class HiSpecModel:
         roles, tuned = {}, None
         if self.adapter is not None:
             roles = {r: self.adapter.config.layer_for(r) for r in ("draft", "intermediate")}
-            tuned = self.adapter.config.tuned_policy(config.method, self.decoder.dtype)
+            explicit = config.batch_aware is False and all(getattr(config, k) is not None for k in TUNABLE)
+            tuned = None if explicit else self.tuned_policy(config.method)
         policy = resolve_policy(config, self.num_layers, roles, tuned)
         window = self.decoder.min_sliding_window()
         if policy.tree != "chain" and window is not None and policy.num_draft > window:

@@ -53,6 +53,9 @@ class SpeculativeConfig:
         "raise the thresholds with the batch size by the adapter's measured pass costs (off: the same policy at any size)"))
     use_exit_vocab: bool = field(default=True, metadata=help_text(
         "early exits predict over the heads' reduced vocabularies, where they have one"))
+    guard: bool = field(default=True, metadata=help_text(
+        "measure speculation against plain decoding on the engine's own steps, per batch size, and decode plainly "
+        "where speculation is slower (off: always as the policy says)"))
 
     def __post_init__(self) -> None:
         as_int(self, "draft_layer", "verify_layer", "window", "num_draft", "tree_nodes", "tree_width")
@@ -68,7 +71,7 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if value is not None and (not is_real(value) or not 0 <= value < math.inf):
                 raise HiSpecError(f"{name} must be a finite number >= 0 (0: no gate, above 1: never) or None; got {value!r}")
-        check_bool(self, "batch_aware", "use_exit_vocab")
+        check_bool(self, "batch_aware", "use_exit_vocab", "guard")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -87,6 +87,17 @@ def save_tiny(name: str, directory: Path, seed: int = 0, mutate=None) -> Tiny:
     return Tiny(name, directory, reference)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _policies_run_as_they_are():
+    """Tests of decoding run each policy as it is: the speculation guard never ends a measurement
+    epoch here, so it never switches a test's speculation off (tests/test_guard.py tests the guard)."""
+    from hispec_decode.engine import guard
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(guard, "EPOCH_TOKENS", 10**9)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Tiny]:
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hispec_decode"
 LAYERS = [
     {"errors", "version"},
     {"validation", "files", "data", "kernels"},  # field checks, atomic writes, prompt sets; compiled ops
-    {"inputs", "cache"},  # prompts as checked rows; block manager (torch-free) and paged K/V
+    {"inputs", "cache", "machine"},  # prompts as checked rows; block manager (torch-free) and paged K/V; the CPU
     {"sampling_params", "layers"},  # per-request settings; attention and linears
     {"config"},  # per-engine settings
     {"models", "decoding"},  # base models and the exit heads on them; sampling and policy math

@@ -95,15 +95,6 @@ def test_trees_stop_at_eos_like_transformers(arch, tiny_models, hispec_models, r
             assert out.sequences[0] == ref, (cut, level)
 
 
-def test_tree_policies_are_not_replayed():
-    from hispec_decode.decoding.policy import Policy
-    from hispec_decode.errors import HiSpecError
-    from hispec_decode.tuning.simulate import Trace, replay
-
-    with pytest.raises(HiSpecError, match="confirm it by decoding"):
-        replay(Trace([1, 2, 3], 1, 3), "hispec", Policy(1, 2, 2, 2, tree="dynamic"), None, 4, frozenset())
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "opt"])
 def test_trees_with_exits_that_accept_everything(arch, tmp_path):
     tiny = save_tiny(arch, tmp_path / "base", mutate=identity_above(1))

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "hispec_config.json"
 WEIGHTS_NAME = "hispec_heads.safetensors"
 MODEL_CARD_NAME = "README.md"
+CALIBRATION_NAME = "hispec_calibration.safetensors"  # machine-independent agreement traces (tuning.calibration)
 VLLM_BASE_CONFIG_NAME = "vllm_base_config.json"  # the base's HF config, for hispec_vllm's drafter (hispec-export)
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)

@@ -27,7 +27,7 @@ from ..errors import AdapterError
 from ..files import atomic_file, clean_stale
 from ..models.exit_heads import ExitHead, check_vocab
 from ..models.head_types import build_head, head_class
-from .config import CONFIG_NAME, MODEL_CARD_NAME, VLLM_BASE_CONFIG_NAME, WEIGHTS_NAME, ExitHeadConfig, HiSpecAdapterConfig
+from .config import CALIBRATION_NAME, CONFIG_NAME, MODEL_CARD_NAME, VLLM_BASE_CONFIG_NAME, WEIGHTS_NAME, ExitHeadConfig, HiSpecAdapterConfig
 from .fingerprint import compute_fingerprint
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ class HiSpecAdapter(nn.Module):
         super().__init__()
         self.config = config
         self.heads = nn.ModuleDict({str(layer): head for layer, head in sorted(heads.items())})
+        self.calibration_path: Path | None = None  # its calibration traces, where the directory holds them
 
     @classmethod
     def create(cls, decoder: DecoderModel, base_name: str, specs: list[ExitSpec],
@@ -134,7 +135,10 @@ class HiSpecAdapter(nn.Module):
         stray = [k for k in tensors if k.split(".", 1)[0] not in {str(e.layer) for e in config.exits}]
         if stray:
             raise AdapterError(f"{weights} holds tensors for no configured exit: {stray[:5]}")
-        return cls(config, heads)
+        adapter = cls(config, heads)
+        calibration = directory / CALIBRATION_NAME
+        adapter.calibration_path = calibration if calibration.is_file() else None
+        return adapter
 
     def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None,
                     commit_message: str = "Upload HiSpec adapter", local_dir: str | os.PathLike | None = None) -> str:
@@ -166,7 +170,7 @@ def _resolve(source: str | os.PathLike, revision: str | None) -> Path:
 
         try:
             return Path(snapshot_download(str(source), revision=revision, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, MODEL_CARD_NAME,
-                                                                                   VLLM_BASE_CONFIG_NAME]))
+                                                                                   VLLM_BASE_CONFIG_NAME, CALIBRATION_NAME]))
         except Exception as exc:  # network, auth, missing repo: all end here
             raise AdapterError(f"could not fetch adapter {source!r} from the Hub: {exc}") from exc
     raise AdapterError(f"adapter {str(source)!r} not found (neither a local directory nor a Hub repo id)")

@@ -19,6 +19,7 @@ is drawn from what is left of ``r``. Each token is then an exact sample of ``p``
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -112,6 +113,12 @@ class TokenSampler:
     @property
     def greedy(self) -> bool:
         return not self.params.do_sample
+
+    @property
+    def path_free(self) -> bool:
+        """Whether the tokens are the same whichever path decodes them (plain steps or speculative
+        rounds, any policy): greedy, drafter-invariant, or sampled without a seed (nothing to reproduce)."""
+        return self.greedy or self.gumbel or self.params.seed is None
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         return warp(logits, self.params)
@@ -234,23 +241,17 @@ class TokenSampler:
         node's children, see the module docstring); a child holding it is accepted and the walk goes on."""
         best = kernels.argmax(target_logits).tolist() if self.greedy else None
         p = None if self.greedy else self.probs(target_logits)
-        path, node, rows = [], -1, [0]
-        while True:
+
+        def choose(node: int, kids: list[int]) -> int:
             row = node + 1
-            kids = tree.children(node)
-            by_token = {tree.tokens[c]: c for c in kids}
             if self.greedy:
-                token = best[row]
-            elif self.gumbel:
-                token = self._gumbel_argmax(p[row], tree.base + tree.depth(node))
-            else:
-                token = self._point_mass(p[row], [tree.tokens[c] for c in kids])
-            child = by_token.get(token)
-            if child is None:
-                return TreeVerdict(path, token, bool(kids), rows, None if p is None else p[rows])
-            path.append(child)
-            rows.append(child + 1)
-            node = child
+                return best[row]
+            if self.gumbel:
+                return self._gumbel_argmax(p[row], tree.base + tree.depth(node))
+            return self._point_mass(p[row], [tree.tokens[c] for c in kids])
+
+        walk = walk_tree(tree, choose)
+        return walk if p is None else dataclasses.replace(walk, target_probs=p[walk.rows])
 
     def _point_mass(self, p: torch.Tensor, candidates: list[int]) -> int:
         """An exact sample of ``p`` [vocab] that is one of ``candidates`` as often as it can be:
@@ -285,6 +286,21 @@ class TreeVerdict:
     def verdict(self) -> Verdict:
         """The same decision as a chain's (once the path has been moved to consecutive slots)."""
         return Verdict(len(self.path), self.token, self.target_probs)
+
+
+def walk_tree(tree: DraftTree, choose) -> TreeVerdict:
+    """Walk ``tree`` from its root: at each node ``choose(node, children)`` gives the target's token
+    there; a child holding it is accepted and the walk goes on, else the walk ends with that token."""
+    path, node, rows = [], -1, [0]
+    while True:
+        kids = tree.children(node)
+        token = choose(node, kids)
+        child = next((c for c in kids if tree.tokens[c] == token), None)
+        if child is None:
+            return TreeVerdict(path, token, bool(kids), rows, None)
+        path.append(child)
+        rows.append(child + 1)
+        node = child
 
 
 def greedy_verdict(candidates: list[int], best: list[int]) -> Verdict:

@@ -13,6 +13,7 @@ batched pass. A request whose prompt plus token limit cannot fit in the whole po
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence as Seq
 
@@ -53,6 +54,7 @@ class LLMEngine:
         self.engine_config, self.sampling_params = engine_config, sampling_params or SamplingParams()
         self.method = speculative_config.method
         self.strategy = STRATEGIES[self.method]
+        self.guarded = speculative_config.guard and self.method != "autoregressive"  # see engine.guard
         self.exits = self.strategy.exits(policy, runner.decoder.num_layers)
         self.cache = runner.new_cache(engine_config.num_blocks or DEFAULT_SERVER_BLOCKS, engine_config.block_size)
         self.scheduler = Scheduler(self.cache.manager, len(self.exits), engine_config.schedule,
@@ -96,13 +98,23 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Admit what fits, serve one sweep, retire finished sequences; returns committed tokens."""
+        t0 = time.perf_counter()
+        size = len(self.scheduler.running)
         for seq in self.scheduler.admit():
             seq.batch_size = len(self.scheduler.running)
+            seq.speculate = not self.guarded or not seq.sampler.path_free or self.runner.guard.speculate(
+                self.policy, seq.batch_size)
             seq.decode_loop = self.strategy.decode(seq)
             seq.request = next(seq.decode_loop)
         if not self.scheduler.running:
             return []
+        guarded = self.guarded and size == len(self.scheduler.running)  # no newcomer: a step of a steady batch
+        if guarded:
+            speculate = self.runner.guard.speculate(self.policy, size)
+            for seq in self.scheduler.running:
+                seq.speculate = speculate or not seq.sampler.path_free  # a seeded sample follows its policy
         batch, requests = self._prefill_budget(self.scheduler.next_batch())
+        guarded = guarded and all(s.processed(0) >= s.committed - 1 for s in batch)  # prefills are not measured
         logits = self.runner.advance(requests, self.cache)
         usage = self.cache.manager.usage()  # the step's high point: drafts written, nothing truncated yet
         self.peak_slots = max(self.peak_slots, usage["slots_held"])
@@ -124,6 +136,8 @@ class LLMEngine:
             if done:
                 self.scheduler.finish(seq)
         self.steps += 1
+        if guarded:
+            self.runner.guard.record(self.policy, size, time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs))
         return outputs
 
     def _prefill_budget(self, batch: list[Sequence]) -> tuple[list[Sequence], list[BandRequest]]:

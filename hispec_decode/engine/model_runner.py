@@ -21,6 +21,7 @@ from ..cache.block_manager import DEFAULT_BLOCK_SIZE
 from ..cache.kv_cache import PagedKVCache
 from ..models.base import DecoderModel
 from ..models.exit_heads import ExitHead
+from .guard import SpeculationGuard
 from .sequence import BandRequest, Sequence
 
 
@@ -38,6 +39,7 @@ class ModelRunner:
         self.keep_final = any(head.needs_context for head in self.heads.values())  # deep-context heads read them
         # feature_attention heads: their rows are computed when their logits are asked for (_feature_transform)
         self.feature_layers = {layer for layer, head in self.heads.items() if head.has_cache and head.needs_context}
+        self.guard = SpeculationGuard()  # speculation against plain decoding, measured on every engine's steps
 
     def new_cache(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> PagedKVCache:
         return self.decoder.new_cache(num_blocks, block_size, len(self.head_cache_layer))

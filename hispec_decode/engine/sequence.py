@@ -105,6 +105,7 @@ class Sequence:
         self.preemptions = 0
         self.idle = 0  # consecutive steps this sequence waited without being served
         self.batch_size = 1  # sequences running beside it (incl. itself) when it last received logits
+        self.speculate = True  # rounds may speculate (the engine's guard turns it off where speculation loses)
 
     # -- queries ----------------------------------------------------------------------------
     def processed(self, band: int) -> int:

@@ -131,7 +131,7 @@ class SelfSpec(Strategy):
     def decode(self, seq: Sequence) -> DecodeLoop:
         while not seq.is_finished:
             draft_threshold, _ = seq.policy.at_batch(seq.batch_size)
-            if draft_threshold > 1:  # speculation cannot pay at this batch size
+            if draft_threshold > 1 or not seq.speculate:  # speculation cannot pay at this batch size
                 yield from step_autoregressive(seq, 1)
                 continue
             start = len(seq.tokens)
@@ -163,7 +163,7 @@ class HiSpec(Strategy):
             return
         while not seq.is_finished:
             draft_threshold, verify_threshold = policy.at_batch(seq.batch_size)
-            if draft_threshold > 1 and verify_threshold > 1:  # speculation cannot pay at this batch size
+            if draft_threshold > 1 and verify_threshold > 1 or not seq.speculate:  # speculation cannot pay here
                 yield from step_autoregressive(seq, 2)
                 continue
             start = len(seq.tokens)  # tokens[start:] are tentative: accepted by L_i, not yet by L_f

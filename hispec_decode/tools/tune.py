@@ -1,13 +1,17 @@
-"""``hispec-tune``: choose the decoding policy for an adapter on this machine and store it with it.
+"""``hispec-tune``: choose the decoding policy for an adapter on this machine, by decoding.
 
-    hispec-tune --heads DIR [--base B] [--dtypes bfloat16,float32] [--prompts mixed] [--num-prompts 8]
+    hispec-tune [--heads DIR] [--base B] [--dtypes bfloat16,float32] [--prompts mixed] [--num-prompts 8]
+                [--write-calibration]
 
-Measures band-pass costs and each exit's confidence against its acceptance on calibration prompts
-(drawn with another seed than the benchmarks'), replays a grid of policies under that cost model,
-confirms the best few by real decoding, and writes the chosen ``hispec`` and ``self_spec``
-policies, per dtype, with the measurements that chose them, into ``DIR/hispec_config.json``
-(atomically; the heads are not touched). ``generate``, ``serve``, the CLIs and the demo use them
-by default; explicit arguments override them.
+Records each exit's top tokens along the base's greedy decoding of calibration prompts (drawn with
+another seed than the benchmarks'), measures this machine's band-pass costs, replays a grid of
+policies under that cost model, confirms the best few by real decoding, and stores the chosen
+``hispec`` and ``self_spec`` policies, per dtype, with the measurements that chose them, for this
+machine under ``$HISPEC_HOME/machine/`` (hispec_decode.tuning.derive): ``generate``, ``serve``, the
+CLIs and the demo use them by default on this machine; explicit arguments override them. The adapter
+directory is never written, except with ``--write-calibration`` and an explicit ``--heads``: then its
+calibration traces (``hispec_calibration.safetensors``, machine-independent) are written into it,
+from which every other machine derives its own policy.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import logging
 import sys
 from pathlib import Path
 
-from ..adapter import CONFIG_NAME, HiSpecAdapterConfig
+from .. import machine
+from ..adapter import CONFIG_NAME
 from ..data.prompts import PROMPT_SETS
 from ..errors import HiSpecError
 from .args import add_model_args
@@ -39,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a layer curve (hispec-curve): pair only the exits it rates best (for adapters with many heads)")
     p.add_argument("--json", type=Path, default=None, help="also write the measurements to this file")
     p.add_argument("--report", type=Path, default=None, help="also write a Markdown report (predicted vs measured)")
+    p.add_argument("--write-calibration", action="store_true",
+                   help="write the calibration traces into the adapter given with --heads (what other machines derive "
+                        "their policy from)")
+    p.add_argument("--calibration-only", action="store_true",
+                   help="with --write-calibration: record and write the traces, tune nothing")
     add_debug_arg(p)
     return p
 
@@ -56,24 +66,41 @@ def _run(args: argparse.Namespace) -> int:
     from ..tuning import tune
     from ..tuning.curve import choose_layers, read_curve
 
+    from ..tuning.calibration import record_calibration, save_calibration
+    from ..tuning.derive import policy_path, store
+
+    if args.write_calibration and args.heads is None:
+        raise HiSpecError("--write-calibration writes into the adapter given with --heads; give it explicitly")
+    if args.calibration_only and not args.write_calibration:
+        raise HiSpecError("--calibration-only needs --write-calibration")
     heads = Path(args.heads) if args.heads is not None else default_heads_for(args.base)
     if heads is None or not (heads / CONFIG_NAME).is_file():
-        raise HiSpecError("--heads must be a local adapter directory (the tuned policy is written into it)")
-    results = {}
+        raise HiSpecError("--heads must be a local adapter directory")
+    results, stored = {}, []
     for dtype in args.dtypes.split(","):
         model = HiSpecModel.from_pretrained(args.base, str(heads), dtype=dtype, batch_invariant=args.batch_invariant)
         if model.tokenizer is None:
             raise HiSpecError("tuning needs the base's tokenizer for its calibration prompts")
         prompts = [encode_prompt(model.tokenizer, t, chat=args.prompts not in CHAT_FREE)
                    for t in prompt_set(args.prompts, args.num_prompts, CALIBRATION_SEED)]
-        layers = None
+        layers = sorted(e.layer for e in model.adapter.config.exits)
         if args.curve is not None:
-            layers = choose_layers(read_curve(args.curve), sorted(e.layer for e in model.adapter.config.exits))
+            layers = choose_layers(read_curve(args.curve), layers)
             print(f"{dtype}: exits chosen from the layer curve: {layers}")
-        results[dtype] = tune(model, prompts, args.max_new_tokens, args.confirm, layers)
-        config = HiSpecAdapterConfig.from_pretrained(heads)  # re-read: only the policy section changes
-        config.policy[str(model.decoder.dtype).removeprefix("torch.")] = results[dtype]
-        config.save_pretrained(heads)
+        traces = record_calibration(model, prompts, args.max_new_tokens, layers)
+        if args.write_calibration and dtype == args.dtypes.split(",")[0]:
+            path = save_calibration(heads, traces, {"prompts": args.prompts, "num_prompts": args.num_prompts,
+                                                    "seed": CALIBRATION_SEED, "max_new_tokens": args.max_new_tokens,
+                                                    "dtype": dtype, "layers": layers})
+            print(f"wrote the calibration traces into {path}")
+        if args.calibration_only:
+            return 0
+        results[dtype] = tune(model, prompts, args.max_new_tokens, args.confirm, layers, traces)
+        path = policy_path(model)
+        store(path, {"source": "tuned", "machine": machine.describe(model.decoder.device), "dtype": dtype,
+                     "policies": {m: results[dtype][m] for m in ("hispec", "self_spec")},
+                     "measurements": results[dtype]["measurements"]})
+        stored.append(path)
         for row in results[dtype]["measurements"]["confirmed"]:
             predicted = row["predicted_tokens_per_second"]
             predicted = "    (not replayed)" if predicted is None else f"{predicted:7.1f} tok/s"
@@ -83,70 +110,12 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{dtype:9} batch {row['batch_size']:2}: {row['ratio_to_autoregressive']:.2f}x plain decoding, "
                   f"speculation {row['speculation']}")
         print(f"{dtype}: hispec policy {results[dtype]['hispec']}")
-    update_model_card(heads)
     if args.json is not None:
         write_text(args.json, json.dumps(results, indent=2, sort_keys=True) + "\n")
     if args.report is not None:
         write_text(args.report, report_markdown(results))
-    print(f"wrote the tuned policies into {heads / CONFIG_NAME}")
+    print(f"stored the tuned policies for this machine ({machine.summary()}) in {', '.join(map(str, stored))}")
     return 0
-
-
-CARD_NAME = "README.md"
-CARD_BEGIN, CARD_END = "<!-- hispec-tune: begin -->", "<!-- hispec-tune: end -->"
-
-
-def update_model_card(heads: Path) -> None:
-    """Write the adapter's tuned policies (every dtype in its config) into its model card, replacing
-    what an earlier ``hispec-tune`` wrote there; an adapter without a card is left without one."""
-    from ..files import write_text
-
-    card = heads / CARD_NAME
-    if not card.is_file():
-        return
-    text = card.read_text()
-    if CARD_BEGIN in text and CARD_END in text:
-        text = text[: text.index(CARD_BEGIN)].rstrip("\n") + text[text.index(CARD_END) + len(CARD_END):]
-    config = HiSpecAdapterConfig.from_pretrained(heads)
-    section = card_section(config.policy, config.num_hidden_layers)
-    write_text(card, text.rstrip("\n") + "\n\n" + section)
-
-
-def card_section(policies: dict, num_layers: int) -> str:
-    """The model card's tuned-policy section: per dtype, the chosen policies and what they measured."""
-    lines = [CARD_BEGIN, "## Tuned decoding policy (`hispec-tune`)", "",
-             "Used by default when these heads decode in that dtype (explicit arguments override it).", "",
-             "| dtype | `hispec` policy | `self_spec` policy | measured (calibration prompts, batch 1) |",
-             "|---|---|---|---|"]
-    for dtype, tuned in sorted(policies.items()):
-        m = tuned.get("measurements", {})
-        measured = {r["config"]: r["measured_tokens_per_second"] for r in m.get("confirmed", [])}
-        speed = "–"
-        if m.get("chosen") in measured and measured.get("autoregressive"):
-            tps, ar = measured[m["chosen"]], measured["autoregressive"]
-            speed = (f"{tps:.1f} tok/s against {ar:.1f} for plain decoding ({tps / ar:.2f}x; "
-                     f"{m['prompts']} prompts, {m['max_new_tokens']} new tokens, {m['tuned_on']})")
-        lines.append(f"| {dtype} | {_policy_text(tuned['hispec'], num_layers)} | {_policy_text(tuned['self_spec'], num_layers)} | {speed} |")
-    thresholds = {d: t["hispec"].get("batch_thresholds", {}) for d, t in sorted(policies.items())}
-    if any(thresholds.values()):
-        lines += ["", "Batch-aware: at batch size B a drafted token needs at least this acceptance "
-                  "(1.5: no speculation): " + "; ".join(
-                      f"{d}: " + ", ".join(f"B={b} {t[b]:g}" for b in sorted(t, key=int)) for d, t in thresholds.items() if t)]
-    return "\n".join([*lines, CARD_END]) + "\n"
-
-
-def _policy_text(policy: dict, num_layers: int) -> str:
-    """A policy as one line: exits, maxima, gates."""
-    if policy.get("draft_threshold", 0) > 1:
-        return "no speculation (plain decoding)"
-    text = f"L_d {policy['draft_layer']}"
-    if policy.get("verify_layer", num_layers) < num_layers:
-        text += f", L_i {policy['verify_layer']}, k_d ≤ {policy['num_draft']}, N_i ≤ {policy['window']}"
-        gates = f"τ_d {policy.get('draft_threshold', 0):g}, τ_v {policy.get('verify_threshold', 0):g}"
-    else:  # self_spec, or hispec without its middle level
-        text += (", no middle level" if "verify_layer" in policy else "") + f", k ≤ {policy['num_draft']}"
-        gates = f"τ_d {policy.get('draft_threshold', 0):g}"
-    return f"{text}, {gates}"
 
 
 def report_markdown(results: dict) -> str:

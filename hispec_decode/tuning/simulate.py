@@ -1,28 +1,36 @@
 """Replaying a policy on recorded traces: what it would accept, and what its passes would cost.
 
 A trace is one prompt with the base model's greedy continuation and, at every position, each exit's
-top token and top probability (one forward pass over the whole sequence). Replaying runs the real
-strategy (:mod:`hispec_decode.engine.strategies`) against a stand-in runner that answers each
-band request from the trace and charges it with the measured :class:`CostModel`: the same rounds,
-gates and windows as real decoding, without running the model. Greedy acceptance is exact along
-the true prefix (a draft after a rejected one is discarded anyway); only the confidence of such
-discarded drafts is approximated by the true-prefix one.
+:data:`TOP_K` most likely tokens with their probabilities (one forward pass over the whole sequence).
+Replaying runs the real strategy (:mod:`hispec_decode.engine.strategies`) against a stand-in runner
+that answers each band request from the trace and charges it with the measured :class:`CostModel`:
+the same rounds, gates, windows and draft trees as real decoding, without running the model.
+Greedy acceptance is exact along the true prefix (a draft after a rejected one is discarded anyway,
+and a tree node off the true path is never accepted by the full model); only the confidence of such
+discarded drafts is approximated by the true-prefix one, and a tree node off the true path proposes
+stand-in children (never accepted, with the true-prefix probabilities) so that their rows are paid.
+
+Traces depend on the adapter and the base, never on the machine: an adapter ships them
+(:mod:`.calibration`), and each machine replays them under its own costs (:mod:`.derive`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..decoding.policy import Policy
-from ..decoding.sampling import Verdict, greedy_verdict
+from ..decoding.sampling import Verdict, greedy_verdict, walk_tree
+from ..decoding.tree import DraftTree
 from ..cache.block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from ..engine.model_runner import ModelRunner
 from ..engine.sequence import BandRequest, Counters, Sequence
 from ..engine.strategies import STRATEGIES, run_alone
-from ..errors import HiSpecError
 from .costs import CostModel
+
+TOP_K = 4  # candidates kept per exit and position: static trees up to this wide replay exactly
 
 
 @dataclass
@@ -30,26 +38,26 @@ class Trace:
     tokens: list[int]  # prompt + the base model's greedy continuation
     prompt_length: int
     limit: int  # the total length decoding was allowed (the continuation is shorter if it ended at EOS)
-    top: dict[int, list[int]] = field(default_factory=dict)  # exit layer -> top token predicted at each position
-    conf: dict[int, list[float]] = field(default_factory=dict)  # exit layer -> its probability
+    top: dict[int, np.ndarray] = field(default_factory=dict)  # exit layer -> [positions, TOP_K] tokens, likeliest first
+    conf: dict[int, np.ndarray] = field(default_factory=dict)  # exit layer -> [positions, TOP_K] their probabilities
     # deep-context heads: the same where the previous position's true final state is known (after a
     # commit); ``top``/``conf`` then hold them reading their own output there (drafts after the first)
-    top_true: dict[int, list[int]] = field(default_factory=dict)
-    conf_true: dict[int, list[float]] = field(default_factory=dict)
+    top_true: dict[int, np.ndarray] = field(default_factory=dict)
+    conf_true: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 @torch.inference_mode()
 def record_trace(runner: ModelRunner, model: torch.nn.Module, prompt: list[int], continuation: list[int],
                  layers: list[int], max_new_tokens: int | None = None) -> Trace:
-    """Each exit's top token and probability at every position of ``prompt + continuation``."""
+    """Each exit's top tokens and probabilities at every position of ``prompt + continuation``."""
     tokens = prompt + continuation
     inner = getattr(model, model.base_model_prefix)
     out = inner(input_ids=torch.tensor([tokens]), output_hidden_states=True)
     trace = Trace(tokens, len(prompt), len(prompt) + (max_new_tokens or len(continuation)))
 
-    def top_of(logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        conf, top = logits.float().softmax(-1).max(-1)
-        return top.tolist(), conf.tolist()
+    def top_of(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        conf, top = logits.float().softmax(-1).topk(min(TOP_K, logits.shape[-1]), dim=-1)
+        return top.numpy().astype(np.int64), conf.numpy().astype(np.float32)
 
     for layer in layers:
         head = runner.heads.get(layer)
@@ -68,30 +76,41 @@ def record_trace(runner: ModelRunner, model: torch.nn.Module, prompt: list[int],
 
 
 class _Sampler:
-    """Greedy choices on trace "logits": rows of (token, top probability)."""
+    """Greedy choices on trace "logits": rows of :data:`TOP_K` tokens, then their probabilities."""
 
     greedy = True
 
     def __init__(self) -> None:
         self.generator = torch.Generator()
 
-    def choose(self, logits: torch.Tensor, position: int | None = None) -> tuple[int, None]:
+    def choose(self, logits: np.ndarray, position: int | None = None) -> tuple[int, None]:
         return int(logits[-1, 0]), None
 
     def forget(self, before: int) -> None:
         pass
 
-    def propose(self, logits: torch.Tensor, threshold: float, position: int | None = None) -> tuple[int, None] | None:
-        if threshold > 0 and float(logits[-1, 1]) < threshold:
+    def propose(self, logits: np.ndarray, threshold: float, position: int | None = None) -> tuple[int, None] | None:
+        if threshold > 0 and float(logits[-1, TOP_K]) < threshold:
             return None
         return int(logits[-1, 0]), None
 
-    def confidence(self, logits: torch.Tensor, probs: None = None) -> torch.Tensor:
-        return logits[:, 1]
+    def confidence(self, logits: np.ndarray, probs: None = None) -> np.ndarray:
+        return logits[:, TOP_K]
 
-    def verify(self, candidates: list[int], proposal: None, target_logits: torch.Tensor,
+    def verify(self, candidates: list[int], proposal: None, target_logits: np.ndarray,
                position: int | None = None) -> Verdict:
         return greedy_verdict(candidates, [int(t) for t in target_logits[:, 0]])
+
+    def candidates(self, logits: np.ndarray, k: int, positions: list[int]) -> list[list[tuple[int, float]]]:
+        k = min(k, TOP_K)
+        return [[(int(t), float(q)) for t, q in zip(row[:k], row[TOP_K : TOP_K + k]) if q > 0] for row in logits]
+
+    def verify_tree(self, tree: DraftTree, target_logits: np.ndarray):
+        return walk_tree(tree, lambda node, kids: int(target_logits[node + 1, 0]))
+
+
+_NOTHING = np.concatenate([np.full(TOP_K, -1.0), np.zeros(TOP_K)])  # a row that proposes nothing
+_OFF_PATH = -2.0 - np.arange(TOP_K)  # candidates that are no token: drafted (rows spent), never accepted
 
 
 class _Runner:
@@ -101,8 +120,12 @@ class _Runner:
         self.trace, self.costs, self.num_layers = trace, costs, num_layers
         self.seconds = 0.0
         self.speculative_requests = 0
+        self.rows = {layer: np.concatenate([top, conf], axis=1) for layer, top in trace.top.items()
+                     for conf in (trace.conf[layer],)}
+        self.rows_true = {layer: np.concatenate([top, trace.conf_true[layer]], axis=1)
+                          for layer, top in trace.top_true.items()}
 
-    def advance(self, request: BandRequest) -> torch.Tensor:
+    def advance(self, request: BandRequest) -> np.ndarray:
         seq, manager = request.seq, request.seq.blocks
         manager.reserve(seq.seq_id, len(seq.tokens))
         rows = [len(seq.tokens) - seq.processed(b) for b in range(request.top_band + 1)]
@@ -121,17 +144,34 @@ class _Runner:
         layer = seq.exits[request.top_band]
         self.seconds += self.costs.exit(layer, request.num_logits)
         self.seconds += self.costs.request if plain else self.costs.speculative_request
-        predictions = []
-        for p in range(len(seq.tokens) - request.num_logits, len(seq.tokens)):
-            if layer == self.num_layers:  # the full model: the trace's own next token
-                predictions.append((self.trace.tokens[p + 1] if p + 1 < len(self.trace.tokens) else -1, 1.0))
-            elif p < len(self.trace.tokens):
-                true_context = layer in self.trace.top_true and p - 1 < seq.processed(len(seq.exits) - 1)  # the full model ran at p - 1
-                top, conf = (self.trace.top_true, self.trace.conf_true) if true_context else (self.trace.top, self.trace.conf)
-                predictions.append((top[layer][p], conf[layer][p]))
-            else:  # past the end of the trace (after drafts the base never made): nothing to say
-                predictions.append((-1, 0.0))
-        return torch.tensor(predictions, dtype=torch.float64)
+        out = np.empty((request.num_logits, 2 * TOP_K))
+        tokens = self.trace.tokens
+        for j, slot in enumerate(range(len(seq.tokens) - request.num_logits, len(seq.tokens))):
+            p, on_path = self._position(seq, slot)
+            if p >= len(tokens) or (not on_path and layer == self.num_layers):  # nothing to say
+                out[j] = _NOTHING
+            elif layer == self.num_layers:  # the full model: the trace's own next token
+                out[j] = _NOTHING
+                out[j, 0], out[j, TOP_K] = (tokens[p + 1] if p + 1 < len(tokens) else -1), 1.0
+            else:
+                true_context = layer in self.rows_true and p - 1 < seq.processed(len(seq.exits) - 1)
+                out[j] = (self.rows_true if true_context else self.rows)[layer][p]
+                if not on_path:  # a node off the true path: its candidates are never accepted, and cost rows
+                    out[j, :TOP_K] = _OFF_PATH
+        return out
+
+    def _position(self, seq: Sequence, slot: int) -> tuple[int, bool]:
+        """The sequence position the token at ``slot`` holds, and whether it lies on the trace (a
+        tree node whose path leaves it does not)."""
+        tree = seq.tree
+        if tree is None or slot < tree.base:
+            return slot, True
+        node, path = slot - tree.base, []
+        while node >= 0:
+            path.append(tree.tokens[node])
+            node = tree.parents[node]
+        p = tree.base - 1 + len(path)
+        return p, self.trace.tokens[tree.base : p + 1] == path[::-1]
 
 
 @dataclass
@@ -145,9 +185,6 @@ class Replay:
 def replay(trace: Trace, method: str, policy: Policy, costs: CostModel, num_layers: int,
            eos: frozenset[int]) -> Replay:
     """Decode ``trace``'s prompt under ``method`` and ``policy`` with the stand-in runner."""
-    if policy.tree != "chain":
-        raise HiSpecError(f"a {policy.tree} tree policy cannot be replayed (the traces hold each exit's top-1 token "
-                          f"along the true prefix only): confirm it by decoding")
     strategy = STRATEGIES[method]
     blocks = BlockManager(4096, DEFAULT_BLOCK_SIZE)  # lengths only: the stand-in runner stores no K/V
     seq = Sequence(0, trace.tokens[: trace.prompt_length], blocks, strategy.exits(policy, num_layers), _Sampler(),
@@ -165,8 +202,8 @@ def precision_above(traces: list[Trace], layer: int, threshold: float) -> float 
     least ``threshold`` (over the generated positions); None where it never is."""
     hits = total = 0
     for t in traces:
-        for p in range(t.prompt_length - 1, len(t.tokens) - 1):
-            if t.conf[layer][p] >= threshold:
-                total += 1
-                hits += t.top[layer][p] == t.tokens[p + 1]
+        span = slice(t.prompt_length - 1, len(t.tokens) - 1)
+        sure = t.conf[layer][span, 0] >= threshold
+        total += int(sure.sum())
+        hits += int((t.top[layer][span, 0] == np.asarray(t.tokens[t.prompt_length :]))[sure].sum())
     return hits / total if total else None

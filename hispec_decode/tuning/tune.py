@@ -59,7 +59,7 @@ class Candidate:
         return {"method": self.method, "draft_layer": p.draft_layer, "verify_layer": p.verify_layer,
                 "window": p.window, "num_draft": p.num_draft, "draft_threshold": p.draft_threshold,
                 "verify_threshold": p.verify_threshold, "tree": p.tree, "tree_nodes": p.tree_nodes,
-                "tree_width": p.tree_width, "batch_aware": False}
+                "tree_width": p.tree_width, "batch_aware": False, "guard": False}
 
     def label(self) -> str:
         p = self.policy
@@ -119,19 +119,21 @@ def batch_thresholds(costs: CostModel, num_layers: int, cap: float, draft_layer:
 
 
 def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confirm: int = 4,
-         layers: list[int] | None = None) -> dict[str, Any]:
+         layers: list[int] | None = None, traces: list[Trace] | None = None) -> dict[str, Any]:
     """The chosen ``hispec`` and ``self_spec`` policies for ``model``'s adapter and dtype, with the
-    measurements that chose them (what ``hispec-tune`` writes into ``hispec_config.json``).
-    ``layers``: the exits to pair (default: every head's; see :func:`.curve.choose_layers`)."""
+    measurements that chose them (what ``hispec-tune`` stores for this machine).
+    ``layers``: the exits to pair (default: every head's; see :func:`.curve.choose_layers`);
+    ``traces``: the calibration along ``prompts`` if already recorded."""
     n = model.num_layers
     if layers is None:
         layers = sorted(e.layer for e in model.adapter.config.exits) if model.adapter is not None else \
             [model.policy(method="hispec").draft_layer, model.policy(method="hispec").verify_layer]
     eos = model.decoder.default_eos_ids()
-    logger.info("calibration: decoding %d prompts", len(prompts))
-    plain = model.generate(prompts, max_new_tokens=max_new_tokens, method="autoregressive")
-    traces = [record_trace(model.runner, model.base_model, p, c, layers, max_new_tokens)
-              for p, c in zip(prompts, plain.sequences)]
+    if traces is None:
+        logger.info("calibration: decoding %d prompts", len(prompts))
+        plain = model.generate(prompts, max_new_tokens=max_new_tokens, method="autoregressive")
+        traces = [record_trace(model.runner, model.base_model, p, c, layers, max_new_tokens)
+                  for p, c in zip(prompts, plain.sequences)]
     logger.info("costs: timing band passes and exit heads")
     costs = measure_costs(model.runner, layers)
     costs.request = request_overhead(model, prompts[:2], max_new_tokens, costs)
@@ -224,7 +226,7 @@ def _decode(model: Any, prompts: list[list[int]], max_new_tokens: int, method: s
     from ..engine.llm_engine import LLMEngine
     from ..sampling_params import SamplingParams
 
-    spec = SpeculativeConfig(method=method)
+    spec = SpeculativeConfig(method=method, guard=False)  # the policy as it is, not as the guard would run it
     blocks = sum(-(-(len(p) + max_new_tokens) // 16) for p in prompts)
     engine = LLMEngine(model.runner, spec, policy or model.policy(spec), EngineConfig(num_blocks=blocks),
                        SamplingParams(max_new_tokens=max_new_tokens))

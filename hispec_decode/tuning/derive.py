@@ -1,0 +1,153 @@
+"""A decoding policy for the machine decoding runs on, from the adapter's calibration and this
+machine's own pass costs.
+
+The adapter ships traces of its calibration decoding (:mod:`.calibration`): how often each exit
+agrees with the full model, by draft position, tree rank and level. What a pass over some rows
+costs is measured here, once per machine (:func:`~.costs.measure_costs`: seconds), and cached under
+``$HISPEC_HOME/machine/<adapter>/<machine>.json`` with the policy derived from both: every policy
+of a compact grid (chains, static trees, the middle level on and off) replayed on the traces under
+these costs, the fastest predicted one chosen. ``hispec-tune`` confirms policies by decoding and
+stores its choice in the same place (``"source": "tuned"``), which then wins over a derived one.
+
+The key of a machine is its processor, vector features, bf16 linear, threads and the dtype
+(:func:`hispec_decode.machine.key`): a different CPU, thread count or dtype measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import machine
+from ..decoding.policy import Policy
+from ..files import write_text
+from ..models.loading import hispec_home
+from .calibration import calibration_id, load_calibration
+from .costs import CostModel, measure_costs
+from .simulate import Trace, precision_above
+from .tune import Candidate, _policy_dict, batch_thresholds, predict, request_overhead, speculative_overhead
+
+logger = logging.getLogger(__name__)
+
+CHAINS = tuple(itertools.product((1, 2, 3, 4), (0.0, 0.4, 0.6, 0.8)))  # (k, tau_d) without a middle level
+STATIC_TREES = ((2, 2, 1), (3, 3, 1), (4, 4, 1), (5, 4, 2), (6, 3, 2))  # (nodes, width, depth)
+MIDDLE = tuple(itertools.product((1, 2, 3), (2, 4), (0.0, 0.6), (0.0, 0.4)))  # (k_d, N_i, tau_d, tau_v)
+TRACES = 6  # calibration traces replayed per candidate (the first ones)
+OVERHEAD_TOKENS = 48  # tokens decoded to measure what a real request adds beyond its passes
+
+
+def adapter_id(adapter: Any) -> str:
+    """A short content hash of the adapter's heads (what its per-machine policies are kept under)."""
+    cached = getattr(adapter, "_hispec_id", None)
+    if cached is None:
+        digest = hashlib.sha256()
+        for key, tensor in sorted(adapter.state_dict_flat().items()):
+            digest.update(key.encode())
+            digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        cached = adapter._hispec_id = digest.hexdigest()[:16]
+    return cached
+
+
+def policy_path(model: Any) -> Path:
+    """Where this machine's policy for ``model``'s adapter and dtype is kept."""
+    key = machine.key(model.decoder.device, model.decoder.dtype, adapter_id(model.adapter))
+    return hispec_home() / "machine" / adapter_id(model.adapter) / f"{key}.json"
+
+
+def grid(layers: list[int], num_layers: int) -> list[Candidate]:
+    """Chains and static trees from each exit without a middle level, and chains with each pair of
+    exits as draft and intermediate level."""
+    n, out = num_layers, []
+    for d in sorted(layers):
+        out += [Candidate("hispec", Policy(d, n, 1, k, td, 0.0), n) for k, td in CHAINS]
+        out += [Candidate("hispec", Policy(d, n, 1, depth, 0.0, 0.0, tree="static", tree_nodes=nodes,
+                                           tree_width=width), n) for nodes, width, depth in STATIC_TREES]
+    for (d, i), (k, w, td, tv) in itertools.product(itertools.combinations(sorted(layers), 2), MIDDLE):
+        out.append(Candidate("hispec", Policy(d, i, w, k, td, tv), n))
+    return out
+
+
+def derive(model: Any, traces: list[Trace], costs: CostModel) -> dict[str, Any]:
+    """The fastest predicted ``hispec`` and ``self_spec`` policies under ``costs`` (no middle level
+    for ``self_spec``), with what chose them."""
+    n, eos = model.num_layers, model.decoder.default_eos_ids()
+    layers = sorted(traces[0].top)
+    traces = traces[:TRACES]
+    scored = sorted(((c, predict(c, traces, costs, n, eos)["tokens_per_second"]) for c in grid(layers, n)),
+                    key=lambda cs: -cs[1])
+    plain = sum(len(t.tokens) - t.prompt_length for t in traces) / sum(
+        costs.full_step(n, 1) * (len(t.tokens) - t.prompt_length) for t in traces)
+    best = scored[0][0].policy
+    best_self = next(c.policy for c, _ in scored if c.policy.verify_layer >= n)
+    cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
+    hispec = _policy_dict(best) | {"batch_thresholds": batch_thresholds(costs, n, cap, best.draft_layer)}
+    self_spec = {k: v for k, v in _policy_dict(best_self).items() if k not in ("verify_layer", "window", "verify_threshold")}
+    self_spec["batch_thresholds"] = batch_thresholds(costs, n, cap, best_self.draft_layer)
+    predicted = [{"config": c.label(), "tokens_per_second": round(tps, 2)} for c, tps in scored[:8]]
+    return {"hispec": hispec, "self_spec": self_spec, "predicted": predicted,
+            "predicted_autoregressive": round(plain, 2)}
+
+
+def machine_costs(model: Any, traces: list[Trace]) -> CostModel:
+    """This machine's pass costs for ``model`` (seconds of measuring), with what a real request adds."""
+    layers = sorted(traces[0].top)
+    costs = measure_costs(model.runner, layers, reps=5)
+    prompts = [t.tokens[: t.prompt_length] for t in traces[:2]]
+    costs.request = request_overhead(model, prompts, OVERHEAD_TOKENS, costs)
+    short = []  # the first tokens of each trace: what the speculative decode below makes
+    for t in traces[:2]:
+        end = t.prompt_length + min(OVERHEAD_TOKENS, len(t.tokens) - t.prompt_length)
+        short.append(Trace(t.tokens[:end], t.prompt_length, end, t.top, t.conf, t.top_true, t.conf_true))
+    costs.speculative_request = speculative_overhead(model, prompts, short, layers, costs, model.decoder.default_eos_ids())
+    return costs
+
+
+def machine_policy(model: Any) -> dict[str, Any] | None:
+    """This machine's policies (``{"hispec": {...}, "self_spec": {...}}``) for ``model``'s adapter and
+    dtype: the stored one (tuned here, or derived before), else derived now from the adapter's
+    calibration (measuring this machine's costs: seconds) and stored; None without a calibration."""
+    adapter = model.adapter
+    if adapter is None:
+        return None
+    path = policy_path(model)
+    stored = _read(path)
+    if stored is not None:
+        return stored["policies"]
+    if adapter.calibration_path is None:
+        return None
+    traces = load_calibration(adapter.calibration_path)
+    logger.info("hispec: measuring this machine's pass costs for the adapter's policy (once; kept in %s)", path)
+    t0 = time.perf_counter()
+    costs = machine_costs(model, traces)
+    derived = derive(model, traces, costs)
+    policies = {"hispec": derived.pop("hispec"), "self_spec": derived.pop("self_spec")}
+    record = {"source": "derived", "machine": machine.describe(model.decoder.device), "dtype": str(model.decoder.dtype),
+              "calibration": calibration_id(adapter.calibration_path), "made_on": time.strftime("%Y-%m-%d"),
+              "seconds": round(time.perf_counter() - t0, 1), "policies": policies, **derived, "costs": costs.to_dict()}
+    store(path, record)
+    logger.info("hispec: derived %s (predicted %.1f tok/s, plain %.1f) in %.0f s", derived["predicted"][0]["config"],
+                derived["predicted"][0]["tokens_per_second"], derived["predicted_autoregressive"], record["seconds"])
+    return policies
+
+
+def store(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    """A stored record, or None (missing, or unreadable: then it is made again)."""
+    try:
+        record = json.loads(path.read_text())
+        if isinstance(record.get("policies"), dict) and isinstance(record["policies"].get("hispec"), dict):
+            return record
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None

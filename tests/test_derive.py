@@ -1,0 +1,91 @@
+"""A policy derived on the machine: from the adapter's calibration traces and this machine's costs,
+measured once and kept under $HISPEC_HOME; a policy tuned here wins over it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hispec_decode import AdapterError, HiSpecAdapter, HiSpecModel
+from hispec_decode.adapter import ExitSpec
+from hispec_decode.adapter.config import CALIBRATION_NAME
+from hispec_decode.tuning import derive
+from hispec_decode.tuning.calibration import load_calibration, record_calibration, save_calibration
+
+PROMPTS = [[5, 9, 2, 6], [1, 2, 3, 4, 5, 6, 7, 8], [40, 41]]
+
+
+@pytest.fixture(scope="module")
+def calibrated(trainable_base, tmp_path_factory):
+    heads = tmp_path_factory.mktemp("calibrated")
+    model = HiSpecModel.from_pretrained(str(trainable_base))
+    HiSpecAdapter.create(model.decoder, str(trainable_base), [ExitSpec(2, "draft", "norm"),
+                                                              ExitSpec(4, "intermediate", "norm")]).save_pretrained(heads)
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    traces = record_calibration(model, PROMPTS, 12, [2, 4])
+    save_calibration(heads, traces, {"prompts": "test"})
+    return heads, traces
+
+
+def test_calibration_round_trips(calibrated):
+    heads, traces = calibrated
+    loaded = load_calibration(heads / CALIBRATION_NAME)
+    assert len(loaded) == len(traces)
+    for a, b in zip(loaded, traces):
+        assert (a.tokens, a.prompt_length, a.limit) == (b.tokens, b.prompt_length, b.limit)
+        assert set(a.top) == {2, 4} and all((a.top[k] == b.top[k]).all() and (a.conf[k] == b.conf[k]).all() for k in a.top)
+
+
+def test_the_first_decode_on_a_machine_derives_and_keeps_a_policy(calibrated, trainable_base, tmp_path, monkeypatch):
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
+    heads, _ = calibrated
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    policy = model.policy(method="hispec")
+    (path,) = (tmp_path / "machine").rglob("*.json")
+    record = json.loads(path.read_text())
+    assert record["source"] == "derived" and record["machine"]["device"] and record["costs"]["layer_rows"]
+    chosen = record["policies"]["hispec"]
+    assert (policy.draft_layer, policy.verify_layer, policy.num_draft, policy.tree) == (
+        chosen["draft_layer"], chosen["verify_layer"], chosen["num_draft"], chosen["tree"])
+    assert record["predicted"][0]["tokens_per_second"] > 0
+    assert model.generate([PROMPTS[0]], max_new_tokens=6).sequences == model.generate(
+        [PROMPTS[0]], max_new_tokens=6, method="autoregressive").sequences
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("costs measured again")
+
+    monkeypatch.setattr(derive, "measure_costs", no_measuring)
+    again = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    assert again.policy(method="hispec") == policy  # read back, not measured again
+    path.write_text("{ damaged")  # an unreadable record is derived again
+    monkeypatch.undo()
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
+    third = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    assert third.policy(method="hispec").draft_layer in (2, 4)
+    assert json.loads(path.read_text())["source"] == "derived"
+
+
+def test_a_machine_tuned_policy_wins_over_a_derived_one(calibrated, trainable_base, tmp_path, monkeypatch):
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
+    heads, _ = calibrated
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    tuned = {"draft_layer": 2, "verify_layer": 4, "window": 3, "num_draft": 2, "draft_threshold": 0.25,
+             "verify_threshold": 0.0, "tree": "chain", "tree_nodes": 8, "tree_width": 4}
+    derive.store(derive.policy_path(model), {"source": "tuned", "policies": {"hispec": tuned, "self_spec": tuned}})
+    policy = model.policy(method="hispec")
+    assert (policy.window, policy.num_draft, policy.draft_threshold) == (3, 2, 0.25)
+    assert model.policy(method="hispec", window=1).window == 1  # explicit arguments still win
+
+
+def test_grid_covers_chains_trees_and_the_middle_level():
+    grid = derive.grid([2, 8], 30)
+    assert {c.policy.tree for c in grid} == {"chain", "static"}
+    assert any(c.policy.verify_layer == 8 for c in grid) and any(c.policy.verify_layer == 30 for c in grid)
+    assert len(grid) < 100  # seconds of replaying, on the first decode of a machine
+
+
+def test_a_damaged_calibration_is_a_clear_error(tmp_path):
+    (tmp_path / CALIBRATION_NAME).write_bytes(b"not a safetensors file")
+    with pytest.raises(AdapterError, match="damaged or not a calibration file"):
+        load_calibration(tmp_path / CALIBRATION_NAME)
