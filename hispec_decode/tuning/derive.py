@@ -32,7 +32,7 @@ from ..models.loading import hispec_home
 from .calibration import calibration_id, load_calibration
 from .costs import CostModel, measure_costs
 from .simulate import Trace, precision_above
-from .tune import Candidate, _policy_dict, batch_thresholds, predict, request_overhead, speculative_overhead
+from .tune import SPECULATION_OFF, Candidate, _policy_dict, batch_thresholds, predict, request_overhead, speculative_overhead
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ def policy_path(model: Any) -> Path:
 
 
 def grid(layers: list[int], num_layers: int) -> list[Candidate]:
-    """Chains and static trees from each exit without a middle level, and chains with each pair of
-    exits as draft and intermediate level."""
+    """Chains and static trees from each exit without a middle level, chains with each pair of exits
+    as draft and intermediate level, and no speculation at all."""
     n, out = num_layers, []
     for d in sorted(layers):
         out += [Candidate("hispec", Policy(d, n, 1, k, td, 0.0), n) for k, td in CHAINS]
@@ -71,6 +71,8 @@ def grid(layers: list[int], num_layers: int) -> list[Candidate]:
                                            tree_width=width), n) for nodes, width, depth in STATIC_TREES]
     for (d, i), (k, w, td, tv) in itertools.product(itertools.combinations(sorted(layers), 2), MIDDLE):
         out.append(Candidate("hispec", Policy(d, i, w, k, td, tv), n))
+    # plain decoding through the bands: chosen where nothing is predicted to pay
+    out.append(Candidate("hispec", Policy(min(layers), n, 1, 1, SPECULATION_OFF, SPECULATION_OFF), n))
     return out
 
 
