@@ -94,7 +94,7 @@ def config_overrides(args: argparse.Namespace, names: typing.Iterable[str]) -> d
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
-FIXED = {"draft_threshold": 0.0, "verify_threshold": 0.0, "batch_aware": False}
+FIXED = {"draft_threshold": 0.0, "verify_threshold": 0.0, "batch_aware": False, "guard": False}
 VARIANTS = {
     "paper": FIXED | {"window": 4, "num_draft": 2},  # the paper's fixed policy: N_i = 4, k_d = 2
     "fixed": FIXED | {"window": 2, "num_draft": 1},  # the best fixed policy of the sweep (docs/sweep-bfloat16.md)
@@ -102,6 +102,7 @@ VARIANTS = {
     "invariant": {},  # on the batch-invariant model (see ModelVariants)
     "gumbel": {"drafter_invariant": True},  # drafter-invariant sampling (with --sample)
     "chain": {"tree": "chain"},  # the tuned policy, drafting a single chain
+    "unguarded": {"guard": False},  # the policy as it is, never switched off by the run-time guard
     "static": {"tree": "static", "tree_nodes": 5, "tree_width": 4, "num_draft": 2},  # a Medusa/EAGLE-1-style static tree
     "dynamic": {"tree": "dynamic", "tree_nodes": 6, "tree_width": 3, "num_draft": 2},  # EAGLE-2's dynamic tree
 }
@@ -129,7 +130,8 @@ def method_variant(spec: str) -> dict[str, Any]:
     gates), ``fixed`` the best fixed policy of the sweep (k = 1, N_i = 2, no gates), ``invariant``
     runs on the batch-invariant model, ``gumbel`` samples drafter-invariantly, ``chain`` drafts a
     single chain under the tuned policy, ``static`` draws a fixed tree of 5 nodes (width 4, depth 2),
-    ``dynamic`` EAGLE-2's tree of 6 nodes (width 3, depth 2), on the tuned policy's exits and gates."""
+    ``dynamic`` EAGLE-2's tree of 6 nodes (width 3, depth 2), on the tuned policy's exits and gates;
+    ``unguarded`` runs the policy without the run-time guard (engine/guard.py)."""
     method, _, variant = other_heads(spec)[0].partition(":")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} in {spec!r}; choose from {', '.join(METHODS)}")

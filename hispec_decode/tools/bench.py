@@ -209,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated methods, each optionally METHOD:VARIANT: full_vocab (early exits ignore the "
                         "heads' reduced vocabulary), eager or gather (batched verification schedule), paper (N_i=4, "
                         "k_d=2, no confidence gates), fixed (k=1, N_i=2, no gates), chain (the tuned policy drafting a "
-                        "chain), static (a fixed tree of 5 nodes, width 4, depth 2) or dynamic (EAGLE-2's tree of 6 "
-                        "nodes, width 3, depth 2); plain hispec/self_spec use the adapter's tuned policy; a spec "
+                        "chain), static (a fixed tree of 5 nodes, width 4, depth 2), dynamic (EAGLE-2's tree of 6 "
+                        "nodes, width 3, depth 2) or unguarded (without the run-time guard); plain hispec/self_spec "
+                        "use this machine's policy (derived from the adapter's calibration, or tuned here); a spec "
                         "ending in @b runs with the adapter of --heads-b (two adapters side by side)")
     p.add_argument("--heads-b", default=None, help="a second adapter, for the methods ending in @b")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)

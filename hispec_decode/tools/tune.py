@@ -109,6 +109,9 @@ def _run(args: argparse.Namespace) -> int:
         for row in results[dtype]["measurements"].get("batched", []):
             print(f"{dtype:9} batch {row['batch_size']:2}: {row['ratio_to_autoregressive']:.2f}x plain decoding, "
                   f"speculation {row['speculation']}")
+        derived = results[dtype]["measurements"]["derived"]
+        print(f"{dtype}: the policy derived from the calibration ({derived['config']}) decodes at "
+              f"{derived['measured_tokens_per_second']:.1f} tok/s, {derived['ratio_to_chosen']:.2f}x the chosen one")
         print(f"{dtype}: hispec policy {results[dtype]['hispec']}")
     if args.json is not None:
         write_text(args.json, json.dumps(results, indent=2, sort_keys=True) + "\n")

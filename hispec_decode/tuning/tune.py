@@ -158,9 +158,13 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
     if middle is not None:
         trees += [Candidate("hispec", replace(middle, tree=kind, tree_nodes=nodes, tree_width=width, num_draft=depth), n)
                   for kind, nodes, width, depth in TREES]
-    confirmed = confirm_by_decoding(model, prompts, max_new_tokens, [*best_hispec, *trees, best_self, paper])
+    from .derive import derive  # what a machine without this tuning would run: confirmed beside the rest
+
+    fields = {k: v for k, v in derive(model, traces, costs)["hispec"].items() if k != "batch_thresholds"}
+    derived = Candidate("hispec", Policy(**fields), n)
+    confirmed = confirm_by_decoding(model, prompts, max_new_tokens, [*best_hispec, *trees, best_self, paper, derived])
     predicted = dict((c.label(), s) for c, s in scored)
-    chosen = max([*best_hispec, *trees], key=lambda c: confirmed[c.label()])
+    chosen = max([*best_hispec, *trees, derived], key=lambda c: confirmed[c.label()])
     no_middle = [c for c in trees if c.policy.verify_layer >= n]
     best_tree_off = max(no_middle, key=lambda c: confirmed[c.label()]) if no_middle else None
     chosen_self = (best_self if best_tree_off is None or confirmed[best_self.label()] >= confirmed[best_tree_off.label()]
@@ -175,6 +179,8 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
     rows.append({"config": "autoregressive", "predicted_tokens_per_second": round(ar_predicted, 2),
                  "measured_tokens_per_second": round(confirmed["autoregressive"], 2)})
     report = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "confirmed": rows, "chosen": chosen.label(),
+              "derived": {"config": derived.label(), "measured_tokens_per_second": round(confirmed[derived.label()], 2),
+                          "ratio_to_chosen": round(confirmed[derived.label()] / confirmed[chosen.label()], 3)},
               "top_predicted": [{"config": c.label(), **{k: round(v, 3) for k, v in s.items()}} for c, s in scored[:10]],
               "costs": costs.to_dict(), "precision_at_0.9": cap, "batched": batched,
               "tuned_on": time.strftime("%Y-%m-%d")}

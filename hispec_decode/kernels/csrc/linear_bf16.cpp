@@ -21,6 +21,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "vec.h"
+
 #if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -130,15 +132,6 @@ namespace {
 
 constexpr int64_t kCols = 16;  // output columns per packed block (two 8-column units)
 
-// float32 -> bf16, rounded to nearest even, for 8 values (as c10::BFloat16 rounds finite values)
-inline __m128i bf16_bits8(__m256 v) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..r3 r0..r3 | r4..r7 r4..r7
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
-
 // rows x[0..MB) (float32, stride Kp), NU units of 8 columns from unit 0 of block w (unit j: block
 // j / 2, half j % 2); y columns n0 .. n0 + 8 NU
 template <int MB, int NU>
@@ -174,7 +167,7 @@ inline void tile(const float* x, int64_t Kp, const uint16_t* w, int64_t block, i
     const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + 8 * j) : _mm256_setzero_ps();
 #pragma GCC unroll 16
     for (int i = 0; i < MB; ++i)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i * y_stride + n0 + 8 * j), bf16_bits8(_mm256_add_ps(acc[i][j], b)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i * y_stride + n0 + 8 * j), hispec::bf16_bits8(_mm256_add_ps(acc[i][j], b)));
   }
 }
 

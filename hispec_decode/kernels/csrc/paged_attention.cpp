@@ -51,6 +51,55 @@ inline void accumulate_avx512(const float* w, int64_t stride, const KV* v, int64
     }
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HISPEC_ATTN_VECTOR 1
+using hispec::load8;
+template <typename KV>
+constexpr bool kVector = std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16>;
+
+// AVX2: one query head at a time. Scores of 8 keys at once (8 accumulators, summed across lanes in one
+// transpose), then the weighted sum of values with up to 64 of the head's dimensions in registers over
+// every key. Each output still adds its keys in position order.
+inline __m256 hsum8x8(const __m256* a) {  // lane t: the sum of a[t]'s lanes
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+template <typename KV>
+inline void scores_avx2(const float* qg, const KV* K, const int64_t* slots, int64_t n, int64_t d, float scale,
+                        float* out) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 a[8];
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) {
+      const __m256 qv = _mm256_loadu_ps(qg + c);
+      for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, load8(K + slots[j + t] * d + c), a[t]);
+    }
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(hsum8x8(a), sc));
+  }
+  for (; j < n; ++j) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + c), load8(K + slots[j] * d + c), a);
+    out[j] = hispec::hsum8(a) * scale;
+  }
+}
+template <typename KV>
+inline void values_avx2(const float* w, const KV* V, const int64_t* slots, int64_t n, int64_t d, float* acc) {
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    const int64_t units = std::min<int64_t>(8, (d - c0) / 8);
+    __m256 a[8];
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 wj = _mm256_set1_ps(w[j]);
+      const KV* v = V + slots[j] * d + c0;
+      for (int64_t u = 0; u < units; ++u) a[u] = _mm256_fmadd_ps(wj, load8(v + 8 * u), a[u]);
+    }
+    for (int64_t u = 0; u < units; ++u) _mm256_storeu_ps(acc + c0 + 8 * u, a[u]);
+  }
+}
 #endif
 
 // In place: x[0..n) -> softmax(x), in float32 (exp 16 lanes at a time where AVX-512 is there).
@@ -67,6 +116,14 @@ inline void softmax(float* x, int64_t n) {
     total = _mm512_add_ps(total, e);
   }
   sum = _mm512_reduce_add_ps(total);
+#elif defined(HISPEC_ATTN_VECTOR)
+  __m256 total = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = hispec::exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(x + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  sum = hispec::hsum8(total);
 #endif
   for (; j < n; ++j) {
     x[j] = std::exp(x[j] - mx);
@@ -104,6 +161,19 @@ void attend_rows(const Q* q, const KV* keys, const KV* values, const int64_t* se
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_f(q[((h * group + g) * rows + r) * d + i]);
 #if defined(__AVX512F__)
       const bool vector = kVector<KV> && d % 16 == 0 && d <= 256;
+#elif defined(HISPEC_ATTN_VECTOR)
+      if constexpr (kVector<KV>) {
+        if (d % 8 == 0) {
+          for (int64_t g = 0; g < group; ++g) {
+            scores_avx2(qf.data() + g * d, K, slots.data(), n, d, scale, scores.data() + g * n);
+            softmax(scores.data() + g * n, n);
+            values_avx2(scores.data() + g * n, V, slots.data(), n, d, acc.data() + g * d);
+          }
+          for (int64_t g = 0; g < group; ++g)
+            for (int64_t i = 0; i < d; ++i) out[(r * heads + h * group + g) * d + i] = static_cast<Q>(acc[g * d + i]);
+          continue;
+        }
+      }
 #endif
       for (int64_t j = 0; j < n; ++j) {
         const KV* k = K + slots[j] * d;
