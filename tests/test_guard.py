@@ -3,11 +3,10 @@ changes a token."""
 
 from __future__ import annotations
 
-from hispec_decode.engine import guard as guard_module
 import pytest
 
-from hispec_decode.engine.guard import EPOCH_TOKENS, PROBE_EVERY, SpeculationGuard
-
+from hispec_decode.engine import guard as guard_module
+from hispec_decode.engine.guard import PROBE_EVERY, SpeculationGuard
 
 SPECULATE = SpeculationGuard.speculate  # as defined (conftest overrides it for every other test's decoding)
 

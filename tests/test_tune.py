@@ -14,7 +14,8 @@ from hispec_decode.tools import tune as tune_cli
 from hispec_decode.tuning.costs import measure_costs
 from hispec_decode.tuning.simulate import precision_above, record_trace, replay
 from hispec_decode.decoding.policy import Policy
-from hispec_decode.tuning.tune import CONFIRM_MARGIN, Candidate, batch_thresholds, confirm_batches
+from hispec_decode.tuning.candidates import Candidate, batch_thresholds
+from hispec_decode.tuning.tune import CONFIRM_MARGIN, confirm_batches
 
 PROMPTS = [[5, 9, 2, 6], [1, 2, 3, 4, 5, 6, 7, 8], [40, 41]]
 

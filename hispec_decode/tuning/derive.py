@@ -30,9 +30,9 @@ from ..decoding.policy import Policy
 from ..files import write_text
 from ..models.loading import hispec_home
 from .calibration import calibration_id, load_calibration
+from .candidates import SPECULATION_OFF, Candidate, batch_thresholds, policy_dict, predict
 from .costs import CostModel, measure_costs
-from .simulate import Trace, precision_above
-from .tune import SPECULATION_OFF, Candidate, _policy_dict, batch_thresholds, predict, request_overhead, speculative_overhead
+from .simulate import Trace, precision_above, replay
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +89,43 @@ def derive(model: Any, traces: list[Trace], costs: CostModel) -> dict[str, Any]:
     best = scored[0][0].policy
     best_self = next(c.policy for c, _ in scored if c.policy.verify_layer >= n)
     cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
-    hispec = _policy_dict(best) | {"batch_thresholds": batch_thresholds(costs, n, cap, best.draft_layer)}
-    self_spec = {k: v for k, v in _policy_dict(best_self).items() if k not in ("verify_layer", "window", "verify_threshold")}
+    hispec = policy_dict(best) | {"batch_thresholds": batch_thresholds(costs, n, cap, best.draft_layer)}
+    self_spec = {k: v for k, v in policy_dict(best_self).items() if k not in ("verify_layer", "window", "verify_threshold")}
     self_spec["batch_thresholds"] = batch_thresholds(costs, n, cap, best_self.draft_layer)
     predicted = [{"config": c.label(), "tokens_per_second": round(tps, 2)} for c, tps in scored[:8]]
     return {"hispec": hispec, "self_spec": self_spec, "predicted": predicted,
             "predicted_autoregressive": round(plain, 2)}
+
+
+def request_overhead(model: Any, prompts: list[list[int]], max_new_tokens: int, costs: CostModel) -> float:
+    """What a real decoding step costs beyond its band pass and exit head (plain decoding makes one
+    engine request per token): measured on a few prompts alone, charged to every replayed request."""
+    model.generate([prompts[0]], max_new_tokens=4, method="autoregressive")  # warm-up
+    tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        out = model.generate([prompt], max_new_tokens=max_new_tokens, method="autoregressive")
+        seconds += time.perf_counter() - t0
+        tokens += len(out.sequences[0])
+    return max(0.0, seconds / tokens - costs.full_step(model.num_layers, 1))
+
+
+def speculative_overhead(model: Any, prompts: list[list[int]], traces: list[Trace], layers: list[int],
+                         costs: CostModel, eos: frozenset[int]) -> float:
+    """What a speculative request (draft, check, verification) costs beyond its passes: the real
+    time of the fixed policy on a few prompts against its replay without that overhead."""
+    fixed = Candidate("hispec", Policy(layers[0], layers[1] if len(layers) > 1 else model.num_layers, 2, 1))
+    model.generate([prompts[0]], max_new_tokens=4, **fixed.kwargs())  # warm-up
+    t0 = time.perf_counter()
+    for prompt, trace in zip(prompts, traces):
+        model.generate([prompt], max_new_tokens=trace.limit - trace.prompt_length, **fixed.kwargs())
+    seconds = time.perf_counter() - t0
+    modelled, requests = 0.0, 0
+    for trace in traces:
+        r = replay(trace, "hispec", fixed.policy, costs, model.num_layers, eos)
+        modelled += r.seconds
+        requests += r.speculative_requests
+    return max(0.0, (seconds - modelled) / max(1, requests))
 
 
 def machine_costs(model: Any, traces: list[Trace]) -> CostModel:

@@ -22,20 +22,21 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from ..decoding.policy import Policy
-from .costs import SEQS, CostModel, measure_costs
-from .simulate import Trace, precision_above, record_trace, replay
+from .candidates import SPECULATION_OFF, Candidate, batch_thresholds, policy_dict, predict
+from .costs import measure_costs
+from .derive import derive, request_overhead, speculative_overhead
+from .simulate import Trace, precision_above, record_trace
 
 logger = logging.getLogger(__name__)
 
 DRAFTS = (1, 2, 3, 4)
 WINDOWS = (1, 2, 3, 4, 6, 8)
-SPECULATION_OFF = 1.5  # a threshold above 1: never speculate
 DRAFT_THRESHOLDS = (0.0, 0.4, 0.6, 0.8, 0.95, SPECULATION_OFF)
 VERIFY_THRESHOLDS = (0.0, 0.2, 0.4, 0.6, 0.8, SPECULATION_OFF)
 PAPER = {"window": 4, "num_draft": 2, "draft_threshold": 0.0, "verify_threshold": 0.0}  # N_i = 4, k_d = 2
@@ -46,35 +47,6 @@ CONFIRM_BATCHES = (2, 4, 8, 16)  # batch sizes where the chosen policy is decode
 # same batch differ by up to ~5-10% on these machines, and a gain inside that noise was a loss on other
 # prompts (Gemma-3-270M bf16 batch 2: 1.045x on the calibration prompts, 0.86-0.89x in the benchmark)
 CONFIRM_MARGIN = 1.05
-
-
-@dataclass(frozen=True)
-class Candidate:
-    method: str
-    policy: Policy
-    num_layers: int = 0  # the model's, when the policy may name it as its intermediate exit (no middle level)
-
-    def kwargs(self) -> dict[str, Any]:
-        p = self.policy
-        return {"method": self.method, "draft_layer": p.draft_layer, "verify_layer": p.verify_layer,
-                "window": p.window, "num_draft": p.num_draft, "draft_threshold": p.draft_threshold,
-                "verify_threshold": p.verify_threshold, "tree": p.tree, "tree_nodes": p.tree_nodes,
-                "tree_width": p.tree_width, "batch_aware": False, "guard": False}
-
-    def label(self) -> str:
-        p = self.policy
-        if p.tree != "chain":
-            middle = "no middle level" if p.verify_layer >= self.num_layers else f"L{p.verify_layer} prunes, N_i<={p.window}"
-            return (f"{self.method} L{p.draft_layer} {p.tree} tree <={p.tree_nodes} nodes, width {p.tree_width}, depth "
-                    f"{p.num_draft}, {middle}, tau_d={p.draft_threshold:g} tau_v={p.verify_threshold:g}")
-        if self.method == "hispec" and self.num_layers and p.verify_layer >= self.num_layers:
-            return f"hispec L{p.draft_layer}/L{p.verify_layer}: no middle level, k<={p.num_draft} tau_d={p.draft_threshold:g}"
-        if self.method == "hispec":
-            return (f"hispec L{p.draft_layer}/L{p.verify_layer} k_d<={p.num_draft} N_i<={p.window} "
-                    f"tau_d={p.draft_threshold:g} tau_v={p.verify_threshold:g}")
-        if self.method == "self_spec":
-            return f"self_spec L{p.draft_layer} k<={p.num_draft} tau_d={p.draft_threshold:g}"
-        return self.method
 
 
 def candidates(layers: list[int], num_layers: int) -> list[Candidate]:
@@ -91,30 +63,6 @@ def candidates(layers: list[int], num_layers: int) -> list[Candidate]:
         out.append(Candidate("self_spec", Policy(d, d + 1, 1, k, td, 0.0)))
         # hispec without its middle level (verify_layer = the full model): L_d's drafts go to L_f
         out.append(Candidate("hispec", Policy(d, num_layers, 1, k, td, 0.0), num_layers))
-    return out
-
-
-def predict(candidate: Candidate, traces: list[Trace], costs: CostModel, num_layers: int,
-            eos: frozenset[int]) -> dict[str, float]:
-    tokens = seconds = 0.0
-    for trace in traces:
-        r = replay(trace, candidate.method, candidate.policy, costs, num_layers, eos)
-        tokens += r.tokens
-        seconds += r.seconds
-    return {"tokens_per_second": tokens / seconds, "seconds": seconds, "tokens": tokens}
-
-
-def batch_thresholds(costs: CostModel, num_layers: int, cap: float, draft_layer: int) -> dict[str, float]:
-    """Per batch size, the acceptance at which drafting one more token per step pays: what the token
-    adds (its row in the full pass, and its sequence's share of the batch's draft pass to ``draft_layer``)
-    over the cost per token of a plain step; above ``cap`` (what the exits reach) speculation stops."""
-    out, floor = {"1": 0.0}, 0.0
-    for b in SEQS[1:]:
-        step = costs.full_step(num_layers, b)
-        marginal = costs.full_step(num_layers, b + 1) - step
-        draft = (costs.band(0, draft_layer, b, b) + costs.exit(draft_layer, b)) / b
-        floor = max(floor, (marginal + draft) / (step / b))  # never lower in a bigger batch (timing noise aside)
-        out[str(b)] = round(floor, 3) if floor <= cap else SPECULATION_OFF
     return out
 
 
@@ -158,8 +106,7 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
     if middle is not None:
         trees += [Candidate("hispec", replace(middle, tree=kind, tree_nodes=nodes, tree_width=width, num_draft=depth), n)
                   for kind, nodes, width, depth in TREES]
-    from .derive import derive  # what a machine without this tuning would run: confirmed beside the rest
-
+    # what a machine without this tuning would run: confirmed beside the rest
     fields = {k: v for k, v in derive(model, traces, costs)["hispec"].items() if k != "batch_thresholds"}
     derived = Candidate("hispec", Policy(**fields), n)
     confirmed = confirm_by_decoding(model, prompts, max_new_tokens, [*best_hispec, *trees, best_self, paper, derived])
@@ -184,10 +131,10 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
               "top_predicted": [{"config": c.label(), **{k: round(v, 3) for k, v in s.items()}} for c, s in scored[:10]],
               "costs": costs.to_dict(), "precision_at_0.9": cap, "batched": batched,
               "tuned_on": time.strftime("%Y-%m-%d")}
-    self_spec = {k: v for k, v in _policy_dict(chosen_self.policy).items() if k not in ("verify_layer", "window",
+    self_spec = {k: v for k, v in policy_dict(chosen_self.policy).items() if k not in ("verify_layer", "window",
                                                                                        "verify_threshold")}
     report["chosen_self_spec"] = chosen_self.label()
-    return {"hispec": _policy_dict(chosen.policy) | {"batch_thresholds": thresholds},
+    return {"hispec": policy_dict(chosen.policy) | {"batch_thresholds": thresholds},
             "self_spec": self_spec | {"batch_thresholds": thresholds}, "measurements": report}
 
 
@@ -242,41 +189,6 @@ def _decode(model: Any, prompts: list[list[int]], max_new_tokens: int, method: s
     while engine.has_unfinished():
         engine.step()
     return sum(len(s.new_tokens) for s in engine.sequences.values()), time.perf_counter() - t0
-
-
-def request_overhead(model: Any, prompts: list[list[int]], max_new_tokens: int, costs: CostModel) -> float:
-    """What a real decoding step costs beyond its band pass and exit head (plain decoding makes one
-    engine request per token): measured on a few prompts alone, charged to every replayed request."""
-    model.generate([prompts[0]], max_new_tokens=4, method="autoregressive")  # warm-up
-    tokens, seconds = 0, 0.0
-    for prompt in prompts:
-        t0 = time.perf_counter()
-        out = model.generate([prompt], max_new_tokens=max_new_tokens, method="autoregressive")
-        seconds += time.perf_counter() - t0
-        tokens += len(out.sequences[0])
-    return max(0.0, seconds / tokens - costs.full_step(model.num_layers, 1))
-
-
-def speculative_overhead(model: Any, prompts: list[list[int]], traces: list[Trace], layers: list[int],
-                         costs: CostModel, eos: frozenset[int]) -> float:
-    """What a speculative request (draft, check, verification) costs beyond its passes: the real
-    time of the fixed policy on a few prompts against its replay without that overhead."""
-    fixed = Candidate("hispec", Policy(layers[0], layers[1] if len(layers) > 1 else model.num_layers, 2, 1))
-    model.generate([prompts[0]], max_new_tokens=4, **fixed.kwargs())  # warm-up
-    t0 = time.perf_counter()
-    for prompt, trace in zip(prompts, traces):
-        model.generate([prompt], max_new_tokens=trace.limit - trace.prompt_length, **fixed.kwargs())
-    seconds = time.perf_counter() - t0
-    modelled, requests = 0.0, 0
-    for trace in traces:
-        r = replay(trace, "hispec", fixed.policy, costs, model.num_layers, eos)
-        modelled += r.seconds
-        requests += r.speculative_requests
-    return max(0.0, (seconds - modelled) / max(1, requests))
-
-
-def _policy_dict(policy: Policy) -> dict[str, Any]:
-    return {k: v for k, v in asdict(policy).items() if k != "batch_thresholds"}
 
 
 def confirm_by_decoding(model: Any, prompts: list[list[int]], max_new_tokens: int,

@@ -1,0 +1,76 @@
+"""Candidate policies and their predicted speed: what the tuner and the derivation both replay.
+
+A :class:`Candidate` is a method and a :class:`~hispec_decode.decoding.policy.Policy`;
+:func:`predict` replays it on calibration traces under a machine's :class:`~.costs.CostModel`;
+:func:`batch_thresholds` turns the costs into the acceptance a drafted token needs per batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..decoding.policy import Policy
+from .costs import SEQS, CostModel
+from .simulate import Trace, replay
+
+SPECULATION_OFF = 1.5  # a threshold above 1: never speculate
+
+
+@dataclass(frozen=True)
+class Candidate:
+    method: str
+    policy: Policy
+    num_layers: int = 0  # the model's, when the policy may name it as its intermediate exit (no middle level)
+
+    def kwargs(self) -> dict[str, Any]:
+        p = self.policy
+        return {"method": self.method, "draft_layer": p.draft_layer, "verify_layer": p.verify_layer,
+                "window": p.window, "num_draft": p.num_draft, "draft_threshold": p.draft_threshold,
+                "verify_threshold": p.verify_threshold, "tree": p.tree, "tree_nodes": p.tree_nodes,
+                "tree_width": p.tree_width, "batch_aware": False, "guard": False}
+
+    def label(self) -> str:
+        p = self.policy
+        if p.tree != "chain":
+            middle = "no middle level" if p.verify_layer >= self.num_layers else f"L{p.verify_layer} prunes, N_i<={p.window}"
+            return (f"{self.method} L{p.draft_layer} {p.tree} tree <={p.tree_nodes} nodes, width {p.tree_width}, depth "
+                    f"{p.num_draft}, {middle}, tau_d={p.draft_threshold:g} tau_v={p.verify_threshold:g}")
+        if self.method == "hispec" and self.num_layers and p.verify_layer >= self.num_layers:
+            return f"hispec L{p.draft_layer}/L{p.verify_layer}: no middle level, k<={p.num_draft} tau_d={p.draft_threshold:g}"
+        if self.method == "hispec":
+            return (f"hispec L{p.draft_layer}/L{p.verify_layer} k_d<={p.num_draft} N_i<={p.window} "
+                    f"tau_d={p.draft_threshold:g} tau_v={p.verify_threshold:g}")
+        if self.method == "self_spec":
+            return f"self_spec L{p.draft_layer} k<={p.num_draft} tau_d={p.draft_threshold:g}"
+        return self.method
+
+
+def predict(candidate: Candidate, traces: list[Trace], costs: CostModel, num_layers: int,
+            eos: frozenset[int]) -> dict[str, float]:
+    tokens = seconds = 0.0
+    for trace in traces:
+        r = replay(trace, candidate.method, candidate.policy, costs, num_layers, eos)
+        tokens += r.tokens
+        seconds += r.seconds
+    return {"tokens_per_second": tokens / seconds, "seconds": seconds, "tokens": tokens}
+
+
+def batch_thresholds(costs: CostModel, num_layers: int, cap: float, draft_layer: int) -> dict[str, float]:
+    """Per batch size, the acceptance at which drafting one more token per step pays: what the token
+    adds (its row in the full pass, and its sequence's share of the batch's draft pass to ``draft_layer``)
+    over the cost per token of a plain step; above ``cap`` (what the exits reach) speculation stops."""
+    out, floor = {"1": 0.0}, 0.0
+    for b in SEQS[1:]:
+        step = costs.full_step(num_layers, b)
+        marginal = costs.full_step(num_layers, b + 1) - step
+        draft = (costs.band(0, draft_layer, b, b) + costs.exit(draft_layer, b)) / b
+        floor = max(floor, (marginal + draft) / (step / b))  # never lower in a bigger batch (timing noise aside)
+        out[str(b)] = round(floor, 3) if floor <= cap else SPECULATION_OFF
+    return out
+
+
+def policy_dict(policy: Policy) -> dict[str, Any]:
+    return {k: v for k, v in asdict(policy).items() if k != "batch_thresholds"}
+
+
