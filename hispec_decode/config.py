@@ -49,6 +49,9 @@ class SpeculativeConfig:
         "what L_d drafts per round: chain, static (a fixed tree shape) or dynamic (EAGLE-2's tree); default: tuned, else chain"))
     tree_nodes: int | None = field(default=None, metadata=help_text("draft tree nodes per round at most (trees)"))
     tree_width: int | None = field(default=None, metadata=help_text("draft tree children per node at most (trees)"))
+    lookup: int | None = field(default=None, metadata=help_text(
+        "tokens per round copied from earlier in the sequence where its last tokens occurred before (prompt "
+        "lookup), tried before the draft exit; 0: off (default: this machine's policy, else off)"))
     batch_aware: bool = field(default=True, metadata=help_text(
         "raise the thresholds with the batch size by the adapter's measured pass costs (off: the same policy at any size)"))
     use_exit_vocab: bool = field(default=True, metadata=help_text(
@@ -58,13 +61,14 @@ class SpeculativeConfig:
         "where speculation is slower (off: always as the policy says)"))
 
     def __post_init__(self) -> None:
-        as_int(self, "draft_layer", "verify_layer", "window", "num_draft", "tree_nodes", "tree_width")
+        as_int(self, "draft_layer", "verify_layer", "window", "num_draft", "tree_nodes", "tree_width", "lookup")
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise HiSpecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         for name in ("draft_layer", "verify_layer"):
             check_int(name, getattr(self, name), None, optional=True)
         for name in ("window", "num_draft", "tree_nodes", "tree_width"):
             check_int(name, getattr(self, name), 1, optional=True)
+        check_int("lookup", self.lookup, 0, optional=True)
         if self.tree is not None and (not isinstance(self.tree, str) or self.tree not in TREE_KINDS):
             raise HiSpecError(f"unknown tree {self.tree!r}; choose one of {', '.join(TREE_KINDS)}")
         for name in ("draft_threshold", "verify_threshold"):

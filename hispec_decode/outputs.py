@@ -37,6 +37,7 @@ def generation_stats(engine: LLMEngine, seqs: list[Sequence], seconds: float) ->
         "calls_draft": c.calls_draft,
         "calls_intermediate": c.calls_intermediate,
         "calls_full": c.calls_full,
+        "copied": c.copied,
         "tokens_per_full_call": _ratio(new, c.calls_full),
         "seconds": seconds,
         "tokens_per_second": new / seconds if seconds > 0 else 0.0,

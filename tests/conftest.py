@@ -328,24 +328,26 @@ def small_vocab_gemma(tmp_path_factory):
     return _small_vocab(cfg, tmp_path_factory.mktemp("small-vocab-gemma"))
 
 
-def assert_first_two_tokens_follow(sequences: list[list[int]], model, params: SamplingParams) -> None:
+def assert_first_two_tokens_follow(sequences: list[list[int]], model, params: SamplingParams,
+                                   prompt: list[int] = SAMPLE_PROMPT) -> None:
     """The chi-square test (99.9%) of the first two tokens of ``sequences`` (independent draws) against
     their exact distribution under ``model`` and ``params``."""
     counts: dict[tuple[int, int], int] = {}
     for seq in sequences:
         counts[tuple(seq[:2])] = counts.get(tuple(seq[:2]), 0) + 1
-    stat, df = chi_square(counts, exact_two_token_distribution(model, params), len(sequences))
+    stat, df = chi_square(counts, exact_two_token_distribution(model, params, prompt), len(sequences))
     assert stat < chi_square_critical(df), (stat, df)
 
 
-def exact_two_token_distribution(model, params: SamplingParams) -> dict[tuple[int, int], float]:
+def exact_two_token_distribution(model, params: SamplingParams, prompt: list[int] = SAMPLE_PROMPT
+                                 ) -> dict[tuple[int, int], float]:
     with torch.no_grad():
-        first = warp(model(torch.tensor([SAMPLE_PROMPT])).logits[0, -1:], params)[0]
+        first = warp(model(torch.tensor([prompt])).logits[0, -1:], params)[0]
         dist = {}
         for a in range(8):
             if first[a] == 0:
                 continue
-            second = warp(model(torch.tensor([SAMPLE_PROMPT + [a]])).logits[0, -1:], params)[0]
+            second = warp(model(torch.tensor([prompt + [a]])).logits[0, -1:], params)[0]
             for b in range(8):
                 if second[b] > 0:
                     dist[a, b] = float(first[a] * second[b])

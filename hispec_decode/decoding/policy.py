@@ -46,8 +46,9 @@ DEFAULT_THRESHOLD = 0.0
 DEFAULT_TREE = "chain"
 DEFAULT_TREE_NODES = 8
 DEFAULT_TREE_WIDTH = 4
+DEFAULT_LOOKUP = 0  # prompt lookup off unless a machine's policy turns it on
 TUNABLE = ("draft_layer", "verify_layer", "window", "num_draft", "draft_threshold", "verify_threshold", "tree",
-           "tree_nodes", "tree_width")
+           "tree_nodes", "tree_width", "lookup")
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,17 @@ class Policy:
     tree: str = DEFAULT_TREE  # chain, static or dynamic
     tree_nodes: int = DEFAULT_TREE_NODES  # draft tree nodes at most (trees only)
     tree_width: int = DEFAULT_TREE_WIDTH  # children per node at most (trees only)
+    lookup: int = DEFAULT_LOOKUP  # tokens copied per round from an earlier occurrence of the last tokens (0: off)
 
     def at_batch(self, batch_size: int) -> tuple[float, float]:
         """Effective ``(draft_threshold, verify_threshold)`` in a batch of ``batch_size`` sequences
         (above 1: do not speculate)."""
         floor = self.floor(batch_size)
         return max(self.draft_threshold, floor), max(self.verify_threshold, floor)
+
+    def copies(self, batch_size: int) -> bool:
+        """Whether prompt lookup runs at this batch size (while a drafted row pays for itself there)."""
+        return self.lookup > 0 and self.floor(batch_size) <= 1
 
     def floor(self, batch_size: int) -> float:
         """The acceptance a speculated token needs to pay for its rows in a batch of this size."""
@@ -106,7 +112,7 @@ def resolve_policy(config: SpeculativeConfig, num_layers: int, roles: dict[str, 
                   float(_first(value["draft_threshold"], DEFAULT_THRESHOLD)),
                   float(_first(value["verify_threshold"], DEFAULT_THRESHOLD)), batch,
                   _first(value["tree"], DEFAULT_TREE), _first(value["tree_nodes"], DEFAULT_TREE_NODES),
-                  _first(value["tree_width"], DEFAULT_TREE_WIDTH))
+                  _first(value["tree_width"], DEFAULT_TREE_WIDTH), _first(value["lookup"], DEFAULT_LOOKUP))
 
 
 def _checked_tuned(tuned: dict[str, Any], method: str) -> dict[str, Any]:

@@ -191,7 +191,9 @@ class TokenSampler:
         """Check ``n`` candidates (the first at ``position``) against target logits [n+1, vocab]
         (row j predicts candidate j).
 
-        ``proposal`` [n, vocab] is the distribution each candidate was drawn from (sampling).
+        ``proposal`` [n, vocab] is the distribution each candidate was drawn from (sampling); None:
+        point masses (candidates that were not drawn from a distribution, e.g. copied by prompt lookup),
+        accepted with probability ``p(x)``, else replaced by a draw from ``p`` without ``x``.
         """
         n = len(candidates)
         if self.greedy:
@@ -208,12 +210,16 @@ class TokenSampler:
         if n:
             idx = torch.tensor(candidates)
             rows = torch.arange(n)
-            ratio = acceptance_probability(p[rows, idx], proposal[rows, idx])
+            q = proposal[rows, idx] if proposal is not None else torch.ones(n)
+            ratio = acceptance_probability(p[rows, idx], q)
             u = torch.rand(n, generator=self.generator)
             rejected = (u >= ratio).nonzero()
             if len(rejected):
                 j = int(rejected[0])
-        token = self._draw(residual(p[j], proposal[j]) if j < n else p[j])
+        if j < n and proposal is None:  # a point mass: the residual is p without the candidate
+            token = self._draw(residual(p[j], torch.zeros_like(p[j]).index_fill_(0, torch.tensor([candidates[j]]), 1.0)))
+        else:
+            token = self._draw(residual(p[j], proposal[j]) if j < n else p[j])
         return Verdict(j, token, p)
 
     def candidates(self, logits: torch.Tensor, k: int, positions: list[int]) -> list[list[tuple[int, float]]]:

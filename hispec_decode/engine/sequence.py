@@ -46,6 +46,7 @@ class Counters:
     calls_draft: int = 0
     calls_intermediate: int = 0
     calls_full: int = 0
+    copied: int = 0  # drafts that prompt lookup copied from earlier in the sequence
     drafted: int = 0  # proposals checked by the intermediate exit (hispec)
     accepted_intermediate: int = 0
     tentative: int = 0  # proposals checked by the full model

@@ -14,6 +14,7 @@ from typing import Any, Callable, Generator
 
 import torch
 
+from ..decoding.lookup import lookup
 from ..decoding.policy import Policy
 from ..decoding.sampling import Verdict
 from .sequence import BandRequest, Sequence
@@ -31,7 +32,7 @@ def draft(seq: Sequence, count: int, threshold: float) -> DecodeLoop:
     least ``threshold``, stopping at EOS. Returns ``(drafts, their distributions or None when
     greedy)``; no drafts leaves band 0's hidden state waiting for the band above."""
     drafts, probs = [], []
-    while len(drafts) < count and seq.room() > 0:
+    while len(drafts) < count and seq.room() > 0 and threshold <= 1:
         logits = yield BandRequest(seq, 0, 1)
         seq.counters.calls_draft += 1
         proposal = seq.sampler.propose(logits, threshold, len(seq.tokens))
@@ -78,10 +79,29 @@ class Check:
     replaced: bool
 
 
+def copy_drafts(seq: Sequence) -> list[int]:
+    """Prompt lookup (:mod:`hispec_decode.decoding.lookup`): up to ``policy.lookup`` tokens that followed
+    an earlier occurrence of the sequence's last tokens, appended as drafts (up to an EOS)."""
+    drafts = []
+    for token in lookup(seq.tokens, min(seq.policy.lookup, seq.room())):
+        seq.tokens.append(token)
+        drafts.append(token)
+        if token in seq.eos:
+            break
+    seq.counters.copied += len(drafts)
+    return drafts
+
+
 def draft_and_check(seq: Sequence, band: int, threshold: float) -> Generator[BandRequest, torch.Tensor, Check]:
-    """Draft at ``L_d`` under ``seq.policy`` (a chain or a tree) and check the drafts at the exit on
-    top of ``band`` in one pass; a tree is pruned to its accepted path (moved to consecutive slots)."""
+    """Draft under ``seq.policy`` (tokens copied by prompt lookup where it finds some, else a chain or a
+    tree at ``L_d``) and check the drafts at the exit on top of ``band`` in one pass; a tree is pruned
+    to its accepted path (moved to consecutive slots). Copied drafts are point masses (no distribution)."""
     policy, first = seq.policy, len(seq.tokens)
+    copied = copy_drafts(seq) if policy.copies(seq.batch_size) else []
+    if copied:
+        logits = yield BandRequest(seq, band, len(copied) + 1)
+        verdict = seq.sampler.verify(copied, None, logits, first)
+        return Check(len(copied), verdict, logits, verdict.accepted < len(copied))
     if policy.tree == "chain":
         drafts, q = yield from draft(seq, policy.num_draft, threshold)
         logits = yield BandRequest(seq, band, len(drafts) + 1)
@@ -131,7 +151,7 @@ class SelfSpec(Strategy):
     def decode(self, seq: Sequence) -> DecodeLoop:
         while not seq.is_finished:
             draft_threshold, _ = seq.policy.at_batch(seq.batch_size)
-            if draft_threshold > 1 or not seq.speculate:  # speculation cannot pay at this batch size
+            if not seq.speculate or (draft_threshold > 1 and not seq.policy.copies(seq.batch_size)):  # cannot pay here
                 yield from step_autoregressive(seq, 1)
                 continue
             start = len(seq.tokens)
@@ -163,7 +183,7 @@ class HiSpec(Strategy):
             return
         while not seq.is_finished:
             draft_threshold, verify_threshold = policy.at_batch(seq.batch_size)
-            if draft_threshold > 1 and verify_threshold > 1 or not seq.speculate:  # speculation cannot pay here
+            if not seq.speculate or (draft_threshold > 1 and verify_threshold > 1 and not policy.copies(seq.batch_size)):
                 yield from step_autoregressive(seq, 2)
                 continue
             start = len(seq.tokens)  # tokens[start:] are tentative: accepted by L_i, not yet by L_f

@@ -26,7 +26,7 @@ def draft_tree(seq: Sequence, policy: Policy, threshold: float, floor: float = 0
     is no room; ``floor``: the path probability a node needs (the batch-aware break-even, 0 at batch 1).
     Every decision reads the draft's distributions only, so any tree keeps decoding lossless."""
     room = seq.room()
-    if room <= 0:
+    if room <= 0 or threshold > 1:
         return None
     logits = yield BandRequest(seq, 0, 1)
     seq.counters.calls_draft += 1

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..config import METHODS, SCHEDULES, TREE_KINDS, SpeculativeConfig
 
-POLICY_ARGS = ("draft_layer", "verify_layer", "window", "num_draft", "tree", "tree_nodes", "tree_width",
+POLICY_ARGS = ("draft_layer", "verify_layer", "window", "num_draft", "tree", "tree_nodes", "tree_width", "lookup",
                "batch_aware")  # the SpeculativeConfig fields benchmarks take
 SAMPLING_ARGS = ("do_sample", "temperature", "top_k", "top_p", "seed")  # the SamplingParams fields benchmarks take
 CHOICES = {"method": METHODS, "schedule": SCHEDULES, "tree": TREE_KINDS}
@@ -103,6 +103,7 @@ VARIANTS = {
     "gumbel": {"drafter_invariant": True},  # drafter-invariant sampling (with --sample)
     "chain": {"tree": "chain"},  # the tuned policy, drafting a single chain
     "unguarded": {"guard": False},  # the policy as it is, never switched off by the run-time guard
+    "lookup": {"lookup": 8},  # prompt lookup (8 tokens a round) before the policy's own drafts
     "static": {"tree": "static", "tree_nodes": 5, "tree_width": 4, "num_draft": 2},  # a Medusa/EAGLE-1-style static tree
     "dynamic": {"tree": "dynamic", "tree_nodes": 6, "tree_width": 3, "num_draft": 2},  # EAGLE-2's dynamic tree
 }
@@ -131,7 +132,8 @@ def method_variant(spec: str) -> dict[str, Any]:
     runs on the batch-invariant model, ``gumbel`` samples drafter-invariantly, ``chain`` drafts a
     single chain under the tuned policy, ``static`` draws a fixed tree of 5 nodes (width 4, depth 2),
     ``dynamic`` EAGLE-2's tree of 6 nodes (width 3, depth 2), on the tuned policy's exits and gates;
-    ``unguarded`` runs the policy without the run-time guard (engine/guard.py)."""
+    ``unguarded`` runs the policy without the run-time guard (engine/guard.py), ``lookup`` tries prompt
+    lookup (8 tokens) before the policy's own drafts."""
     method, _, variant = other_heads(spec)[0].partition(":")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} in {spec!r}; choose from {', '.join(METHODS)}")

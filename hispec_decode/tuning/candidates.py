@@ -28,9 +28,13 @@ class Candidate:
         return {"method": self.method, "draft_layer": p.draft_layer, "verify_layer": p.verify_layer,
                 "window": p.window, "num_draft": p.num_draft, "draft_threshold": p.draft_threshold,
                 "verify_threshold": p.verify_threshold, "tree": p.tree, "tree_nodes": p.tree_nodes,
-                "tree_width": p.tree_width, "batch_aware": False, "guard": False}
+                "tree_width": p.tree_width, "lookup": p.lookup, "batch_aware": False, "guard": False}
 
     def label(self) -> str:
+        copies = f", lookup<={self.policy.lookup}" if self.policy.lookup else ""
+        return self._label() + copies
+
+    def _label(self) -> str:
         p = self.policy
         if p.tree != "chain":
             middle = "no middle level" if p.verify_layer >= self.num_layers else f"L{p.verify_layer} prunes, N_i<={p.window}"

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 CHAINS = tuple(itertools.product((1, 2, 3, 4), (0.0, 0.4, 0.6, 0.8)))  # (k, tau_d) without a middle level
 STATIC_TREES = ((2, 2, 1), (3, 3, 1), (4, 4, 1), (5, 4, 2), (6, 3, 2))  # (nodes, width, depth)
 MIDDLE = tuple(itertools.product((1, 2, 3), (2, 4), (0.0, 0.6), (0.0, 0.4)))  # (k_d, N_i, tau_d, tau_v)
+LOOKUP = 8  # tokens copied per round, in the candidates that try prompt lookup
 TRACES = 6  # calibration traces replayed per candidate (the first ones)
 OVERHEAD_TOKENS = 48  # tokens decoded to measure what a real request adds beyond its passes
 
@@ -63,7 +64,8 @@ def policy_path(model: Any) -> Path:
 
 def grid(layers: list[int], num_layers: int) -> list[Candidate]:
     """Chains and static trees from each exit without a middle level, chains with each pair of exits
-    as draft and intermediate level, and no speculation at all."""
+    as draft and intermediate level, some of them after prompt lookup, lookup alone, and no
+    speculation at all."""
     n, out = num_layers, []
     for d in sorted(layers):
         out += [Candidate("hispec", Policy(d, n, 1, k, td, 0.0), n) for k, td in CHAINS]
@@ -71,6 +73,12 @@ def grid(layers: list[int], num_layers: int) -> list[Candidate]:
                                            tree_width=width), n) for nodes, width, depth in STATIC_TREES]
     for (d, i), (k, w, td, tv) in itertools.product(itertools.combinations(sorted(layers), 2), MIDDLE):
         out.append(Candidate("hispec", Policy(d, i, w, k, td, tv), n))
+    # prompt lookup before the draft exit, or alone
+    for d in sorted(layers):
+        out += [Candidate("hispec", Policy(d, n, 1, k, td, 0.0, lookup=LOOKUP), n) for k, td in ((1, 0.0), (1, 0.4), (2, 0.4))]
+    for d, i in itertools.combinations(sorted(layers), 2):
+        out += [Candidate("hispec", Policy(d, i, w, 1, 0.0, 0.0, lookup=LOOKUP), n) for w in (2, 4)]
+    out.append(Candidate("hispec", Policy(min(layers), n, 1, 1, SPECULATION_OFF, 0.0, lookup=LOOKUP), n))
     # plain decoding through the bands: chosen where nothing is predicted to pay
     out.append(Candidate("hispec", Policy(min(layers), n, 1, 1, SPECULATION_OFF, SPECULATION_OFF), n))
     return out
