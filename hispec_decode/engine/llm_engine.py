@@ -108,13 +108,16 @@ class LLMEngine:
             seq.request = next(seq.decode_loop)
         if not self.scheduler.running:
             return []
-        guarded = self.guarded and size == len(self.scheduler.running)  # no newcomer: a step of a steady batch
+        # a step of a steady batch (no newcomer) whose rows all follow the guard (a seeded sample follows its policy)
+        guarded = self.guarded and size == len(self.scheduler.running) and all(
+            s.sampler.path_free for s in self.scheduler.running)
         if guarded:
             speculate = self.runner.guard.speculate(self.policy, size)
             for seq in self.scheduler.running:
-                seq.speculate = speculate or not seq.sampler.path_free  # a seeded sample follows its policy
+                seq.speculate = speculate
         batch, requests = self._prefill_budget(self.scheduler.next_batch())
-        guarded = guarded and all(s.processed(0) >= s.committed - 1 for s in batch)  # prefills are not measured
+        # prefills are not measured (nor the pass that brings a prompt through the upper bands after a draft)
+        guarded = guarded and all(s.processed(len(s.exits) - 1) >= s.committed - 1 for s in batch)
         logits = self.runner.advance(requests, self.cache)
         usage = self.cache.manager.usage()  # the step's high point: drafts written, nothing truncated yet
         self.peak_slots = max(self.peak_slots, usage["slots_held"])

@@ -40,6 +40,12 @@ class ModelRunner:
         # feature_attention heads: their rows are computed when their logits are asked for (_feature_transform)
         self.feature_layers = {layer for layer, head in self.heads.items() if head.has_cache and head.needs_context}
         self.guard = SpeculationGuard()  # speculation against plain decoding, measured on every engine's steps
+        if use_exit_vocab:  # cut and pack the exit vocabularies' LM-head rows now, not in the first draft's time
+            with torch.inference_mode():
+                probe = torch.zeros(1, 1, decoder.config.hidden_size, dtype=decoder.dtype, device=decoder.device)
+                for head in self.heads.values():
+                    if getattr(head, "vocab", None) is not None:
+                        decoder.vocab_logits(probe, head.vocab, compact=True)
 
     def new_cache(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> PagedKVCache:
         return self.decoder.new_cache(num_blocks, block_size, len(self.head_cache_layer))

@@ -80,10 +80,13 @@ class Check:
 
 
 def copy_drafts(seq: Sequence) -> list[int]:
-    """Prompt lookup (:mod:`hispec_decode.decoding.lookup`): up to ``policy.lookup`` tokens that followed
-    an earlier occurrence of the sequence's last tokens, appended as drafts (up to an EOS)."""
+    """Prompt lookup (:mod:`hispec_decode.decoding.lookup`): tokens that followed an earlier occurrence
+    of the sequence's last tokens, appended as drafts (up to an EOS). At most ``seq.copy_budget``:
+    ``policy.lookup`` at first, then twice what the last copy had accepted (at least 2), since every
+    copied token is a row of the check's pass whether it is accepted or not."""
     drafts = []
-    for token in lookup(seq.tokens, min(seq.policy.lookup, seq.room())):
+    budget = min(seq.policy.lookup, seq.copy_budget or seq.policy.lookup)
+    for token in lookup(seq.tokens, min(budget, seq.room())):
         seq.tokens.append(token)
         drafts.append(token)
         if token in seq.eos:
@@ -101,6 +104,7 @@ def draft_and_check(seq: Sequence, band: int, threshold: float) -> Generator[Ban
     if copied:
         logits = yield BandRequest(seq, band, len(copied) + 1)
         verdict = seq.sampler.verify(copied, None, logits, first)
+        seq.copy_budget = max(2, 2 * verdict.accepted)
         return Check(len(copied), verdict, logits, verdict.accepted < len(copied))
     if policy.tree == "chain":
         drafts, q = yield from draft(seq, policy.num_draft, threshold)

@@ -92,8 +92,8 @@ def derive(model: Any, traces: list[Trace], costs: CostModel) -> dict[str, Any]:
     traces = traces[:TRACES]
     scored = sorted(((c, predict(c, traces, costs, n, eos)["tokens_per_second"]) for c in grid(layers, n)),
                     key=lambda cs: -cs[1])
-    plain = sum(len(t.tokens) - t.prompt_length for t in traces) / sum(
-        (costs.full_step(n, 1) + costs.request) * (len(t.tokens) - t.prompt_length) for t in traces)
+    plain = next(tps for c, tps in scored if c.policy.draft_threshold > 1 and c.policy.verify_threshold > 1
+                 and not c.policy.lookup)  # no speculation, prefills included as in every replay
     best = scored[0][0].policy
     best_self = next(c.policy for c, _ in scored if c.policy.verify_layer >= n)
     cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
