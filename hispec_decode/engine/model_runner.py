@@ -45,7 +45,7 @@ class ModelRunner:
                 probe = torch.zeros(1, 1, decoder.config.hidden_size, dtype=decoder.dtype, device=decoder.device)
                 for head in self.heads.values():
                     if getattr(head, "vocab", None) is not None:
-                        decoder.vocab_logits(probe, head.vocab, compact=True)
+                        decoder.vocab_logits(decoder.exit_norm(probe), head.vocab, compact=True)
 
     def new_cache(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> PagedKVCache:
         return self.decoder.new_cache(num_blocks, block_size, len(self.head_cache_layer))
