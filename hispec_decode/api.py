@@ -12,13 +12,16 @@ from typing import Any, Sequence
 import torch
 
 from .adapter import HiSpecAdapter, compute_fingerprint
+from .adapter.fingerprint import base_id
+from .adapter.vocabulary import VOCAB_NAME, calibration_prompts, calibration_weights, load_weights, ranking, save_weights
 from .config import SPECULATIVE_FIELDS, EngineConfig, SpeculativeConfig, checked, split_overrides, unknown_arguments
 from .decoding.policy import TUNABLE, Policy, resolve_policy
 from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
-from .errors import AdapterError
+from .errors import AdapterError, HiSpecError
 from .inputs import prompt_rows
 from .models import DecoderModel, LoadedBase, decoder_for, load_base
+from .models.loading import hispec_home
 from .outputs import GenerateOutput, generation_stats
 from .sampling_params import SamplingParams
 
@@ -58,13 +61,15 @@ class HiSpecModel:
         """The policy this machine uses for ``method`` by default: tuned or derived here
         (:func:`hispec_decode.tuning.derive.machine_policy`: the first call on a new machine measures
         its pass costs, seconds), else the one stored in the adapter, else None."""
-        if self.adapter is None or method not in ("hispec", "self_spec"):
+        if method not in ("hispec", "self_spec"):
             return None
         if self._machine_policies is None:
             from .tuning.derive import machine_policy
 
             self._machine_policies = {}  # deriving decodes with explicit policies: no re-entry
             self._machine_policies = machine_policy(self) or {}
+        if self.adapter is None:
+            return self._machine_policies.get(method)
         return self._machine_policies.get(method) or self.adapter.config.tuned_policy(method, self.decoder.dtype)
 
     @classmethod
@@ -126,11 +131,11 @@ class HiSpecModel:
         if unknown:
             raise unknown_arguments(unknown, SPECULATIVE_FIELDS, "speculative")
         config = dataclasses.replace(config, **overrides) if overrides else config
-        roles, tuned = {}, None
+        roles = {}
         if self.adapter is not None:
             roles = {r: self.adapter.config.layer_for(r) for r in ("draft", "intermediate")}
-            explicit = config.batch_aware is False and all(getattr(config, k) is not None for k in TUNABLE)
-            tuned = None if explicit else self.tuned_policy(config.method)
+        explicit = config.batch_aware is False and all(getattr(config, k) is not None for k in TUNABLE)
+        tuned = None if explicit else self.tuned_policy(config.method)
         policy = resolve_policy(config, self.num_layers, roles, tuned)
         window = self.decoder.min_sliding_window()
         if policy.tree != "chain" and window is not None and policy.num_draft > window:
@@ -149,10 +154,40 @@ class HiSpecModel:
         return self._engine(speculative, engine, sampling)
 
     def _engine(self, speculative: SpeculativeConfig, engine: EngineConfig, sampling: SamplingParams) -> LLMEngine:
+        policy = self.policy(speculative)
+        if policy.vocab and self.num_layers in policy.exits(speculative.method, self.num_layers)[:-1]:
+            self.token_ranking()
         runner = self.runner
         if not speculative.use_exit_vocab:
-            runner = ModelRunner(self.decoder, self.runner.heads, use_exit_vocab=False)
-        return LLMEngine(runner, speculative, self.policy(speculative), engine, sampling)
+            runner = ModelRunner(self.decoder, self.runner.heads, use_exit_vocab=False, ranking=self.runner.ranking)
+        return LLMEngine(runner, speculative, policy, engine, sampling)
+
+    def token_ranking(self) -> torch.Tensor:
+        """Token ids, the ones the base emits most often first: the vocabulary level's rows
+        (:mod:`hispec_decode.adapter.vocabulary`). The adapter's ranking where it ships one, else one
+        from a short calibration decode of this base (seconds, once; kept under ``$HISPEC_HOME/vocab``)."""
+        if self.runner.ranking is None:
+            self.runner.set_ranking(ranking(self._vocab_weights()))
+        return self.runner.ranking
+
+    def _vocab_weights(self) -> torch.Tensor:
+        vocab_size = self.decoder.vocab_size
+        if self.adapter is not None and self.adapter.vocab_path is not None:
+            return load_weights(self.adapter.vocab_path, vocab_size)
+        path = hispec_home() / "vocab" / f"{base_id(self.base_model)}.safetensors"
+        if path.is_file():
+            try:
+                return load_weights(path, vocab_size)
+            except AdapterError as exc:
+                logger.warning("hispec: %s; measuring the ranking again", exc)
+        if self.tokenizer is None:
+            raise HiSpecError(f"the vocabulary level needs a token ranking: {self.base_name!r} has no tokenizer to run "
+                              f"a calibration decode with, and its adapter ships no {VOCAB_NAME}")
+        logger.info("hispec: a short calibration decode ranks this base's tokens for the vocabulary level (once; kept "
+                    "in %s)", path)
+        weights = calibration_weights(self, calibration_prompts(self.tokenizer))
+        save_weights(path.parent, weights, {"source": "calibration decode", "base": self.base_name}, path.name)
+        return weights
 
     def generate(self, input_ids: torch.Tensor | Sequence[Sequence[int]], sampling_params: SamplingParams | None = None,
                  speculative_config: SpeculativeConfig | None = None, engine_config: EngineConfig | None = None,

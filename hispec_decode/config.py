@@ -52,6 +52,12 @@ class SpeculativeConfig:
     lookup: int | None = field(default=None, metadata=help_text(
         "tokens per round copied from earlier in the sequence where its last tokens occurred before (prompt "
         "lookup), tried before the draft exit; 0: off (default: this machine's policy, else off)"))
+    vocab: int | None = field(default=None, metadata=help_text(
+        "the vocabulary level L_v: every layer, then the LM head over the base's this many most frequent tokens, "
+        "checking (or, with draft_layer = the number of layers, drafting) below the full LM head; 0: off "
+        "(default: this machine's policy, else off)"))
+    vocab_window: int | None = field(default=None, metadata=help_text(
+        "N_v: tokens the vocabulary level accepts per pass of the full LM head at most"))
     batch_aware: bool = field(default=True, metadata=help_text(
         "raise the thresholds with the batch size by the adapter's measured pass costs (off: the same policy at any size)"))
     use_exit_vocab: bool = field(default=True, metadata=help_text(
@@ -61,14 +67,16 @@ class SpeculativeConfig:
         "where speculation is slower (off: always as the policy says)"))
 
     def __post_init__(self) -> None:
-        as_int(self, "draft_layer", "verify_layer", "window", "num_draft", "tree_nodes", "tree_width", "lookup")
+        as_int(self, "draft_layer", "verify_layer", "window", "num_draft", "tree_nodes", "tree_width", "lookup", "vocab",
+               "vocab_window")
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise HiSpecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         for name in ("draft_layer", "verify_layer"):
             check_int(name, getattr(self, name), None, optional=True)
-        for name in ("window", "num_draft", "tree_nodes", "tree_width"):
+        for name in ("window", "num_draft", "tree_nodes", "tree_width", "vocab_window"):
             check_int(name, getattr(self, name), 1, optional=True)
         check_int("lookup", self.lookup, 0, optional=True)
+        check_int("vocab", self.vocab, 0, optional=True)
         if self.tree is not None and (not isinstance(self.tree, str) or self.tree not in TREE_KINDS):
             raise HiSpecError(f"unknown tree {self.tree!r}; choose one of {', '.join(TREE_KINDS)}")
         for name in ("draft_threshold", "verify_threshold"):

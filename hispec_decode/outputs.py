@@ -38,6 +38,7 @@ def generation_stats(engine: LLMEngine, seqs: list[Sequence], seconds: float) ->
         "calls_intermediate": c.calls_intermediate,
         "calls_full": c.calls_full,
         "copied": c.copied,
+        "levels": level_stats(engine.exits, engine.runner.decoder.num_layers, c),
         "tokens_per_full_call": _ratio(new, c.calls_full),
         "seconds": seconds,
         "tokens_per_second": new / seconds if seconds > 0 else 0.0,
@@ -49,11 +50,22 @@ def generation_stats(engine: LLMEngine, seqs: list[Sequence], seconds: float) ->
     }
 
 
+def level_stats(exits: tuple[int, ...], num_layers: int, c: Counters) -> list[dict[str, Any]]:
+    """Per level above the drafter: its name (``L<layer>``, ``L_v`` or ``L_f``), the passes that checked
+    there, the proposals they checked and how many they accepted."""
+    names = [f"L{layer}" if layer < num_layers else "L_v" for layer in exits[:-1]] + ["L_f"]
+    return [{"level": names[j], "calls": c.calls.get(j, 0), "checked": c.checked.get(j, 0),
+             "accepted": c.accepted.get(j, 0), "acceptance": _ratio(c.accepted.get(j, 0), c.checked.get(j, 0))}
+            for j in range(1, len(exits))] if len(exits) > 1 else []
+
+
 def _policy_stats(method: str, policy: Policy) -> dict[str, int | float | None]:
     return {
         "draft_layer": policy.draft_layer if method != "autoregressive" else None,
         "verify_layer": policy.verify_layer if method == "hispec" else None,
         "window": policy.window if method == "hispec" else None,
+        "vocab": policy.vocab if method != "autoregressive" else None,
+        "vocab_window": policy.vocab_window if method == "hispec" and policy.vocab else None,
         "num_draft": policy.num_draft if method != "autoregressive" else None,
         "draft_threshold": policy.draft_threshold if method != "autoregressive" else None,
         "verify_threshold": policy.verify_threshold if method == "hispec" else None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from hispec_decode import AdapterError, HiSpecAdapter, HiSpecModel
 from hispec_decode.adapter import ExitSpec
@@ -89,3 +90,60 @@ def test_a_damaged_calibration_is_a_clear_error(tmp_path):
     (tmp_path / CALIBRATION_NAME).write_bytes(b"not a safetensors file")
     with pytest.raises(AdapterError, match="damaged or not a calibration file"):
         load_calibration(tmp_path / CALIBRATION_NAME)
+
+
+def test_grid_includes_the_vocabulary_level():
+    grid = derive.grid([2, 8], 30, (4096,))
+    exits = {c.policy.exits("hispec", 30) for c in grid if c.policy.vocab}
+    assert {(30, 30), (2, 30, 30), (8, 30, 30), (2, 8, 30, 30)} <= exits  # L_v alone, under each exit and pair
+    assert all(c.policy.vocab == 4096 for c in grid if c.policy.vocab)
+    assert not any(c.policy.vocab for c in derive.grid([2, 8], 30))
+
+
+def test_replayed_vocabulary_level_counts_what_decoding_counts(calibrated, trainable_base):
+    """The replay of L_v (its rows recorded from the base's final states) accepts exactly what a real
+    greedy decode with the same policy accepts, drafting alone and below an exit."""
+    from hispec_decode.decoding.policy import Policy
+    from hispec_decode.tuning.costs import measure_costs
+    from hispec_decode.tuning.simulate import add_vocab_rows, replay
+
+    heads, traces = calibrated
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    n, size = model.num_layers, 40
+    model.runner.set_ranking(torch.randperm(model.decoder.vocab_size, generator=torch.Generator().manual_seed(3)))
+    add_vocab_rows(model.runner, model.base_model, traces, (size,))
+    costs = measure_costs(model.runner, [2, 4], reps=1, vocab_sizes=(size,))
+    eos = model.decoder.default_eos_ids()
+    checked = 0
+    for policy in (Policy(n, n, 1, 3, vocab=size), Policy(2, n, 1, 2, vocab=size, vocab_window=3)):
+        for prompt, trace in zip(PROMPTS, traces):
+            r = replay(trace, "hispec", policy, costs, n, eos)
+            out = model.generate([prompt], max_new_tokens=trace.limit - trace.prompt_length, method="hispec",
+                                 draft_layer=policy.draft_layer, verify_layer=policy.verify_layer, window=1,
+                                 num_draft=policy.num_draft, draft_threshold=0.0, verify_threshold=0.0, tree="chain",
+                                 tree_nodes=8, tree_width=4, lookup=0, vocab=size, vocab_window=policy.vocab_window,
+                                 batch_aware=False, guard=False)
+            levels = out.stats["levels"]
+            assert [(lv["checked"], lv["accepted"]) for lv in levels] == [
+                (r.counters.checked.get(j, 0), r.counters.accepted.get(j, 0)) for j in range(1, len(levels) + 1)]
+            checked += levels[-1]["checked"]
+    assert checked > 0
+
+
+def test_a_base_without_an_adapter_derives_a_vocabulary_policy(trainable_base, tmp_path, monkeypatch):
+    """No adapter: a short calibration decode ranks the tokens and gives the traces; the grid is the
+    vocabulary level's (and prompt lookup, and off); the choice is kept under the base's fingerprint."""
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(derive, "VOCAB_SIZES", (32,))
+    model = HiSpecModel.from_pretrained(str(trainable_base))
+    assert model.adapter is None and model.tokenizer is not None
+    model.policy(method="hispec")
+    (path,) = (tmp_path / "machine").rglob("*.json")
+    assert path.parent.name.startswith("base-")
+    record = json.loads(path.read_text())
+    assert record["source"] == "derived" and record["calibration"] == "calibration decode"
+    assert "-32" in record["costs"]["exits"]  # the vocabulary level of 32 tokens was measured and replayed
+    assert list((tmp_path / "vocab").glob("*.safetensors"))
+    prompt = [5, 9, 2, 6]
+    assert model.generate([prompt], max_new_tokens=8).sequences == model.generate(
+        [prompt], max_new_tokens=8, method="autoregressive").sequences

@@ -64,12 +64,12 @@ def test_replay_counts_what_real_decoding_does(tuned_setup, gates, method):
 def test_batch_thresholds_rise_with_the_batch(tuned_setup):
     model, _ = tuned_setup
     costs = measure_costs(model.runner, [2, 4], reps=1)
-    thresholds = batch_thresholds(costs, model.num_layers, cap=0.9, draft_layer=2)
+    thresholds = batch_thresholds(costs, model.num_layers, cap=0.9, policy=Policy(2, model.num_layers, 1, 1))
     assert thresholds["1"] == 0.0 and set(thresholds) >= {"2", "4", "8", "16"}
     assert all(0 <= v <= 0.9 or v == 1.5 for v in thresholds.values())
     values = list(thresholds.values())
     assert values == sorted(values), "a bigger batch never makes speculation cheaper"
-    deeper = batch_thresholds(costs, model.num_layers, cap=0.9, draft_layer=4)
+    deeper = batch_thresholds(costs, model.num_layers, cap=0.9, policy=Policy(4, model.num_layers, 1, 1))
     assert all(deeper[b] >= thresholds[b] for b in thresholds), "a costlier draft pass needs more acceptance"
 
 

@@ -67,3 +67,9 @@ def fingerprints_match(expected: dict[str, Any], actual: dict[str, Any]) -> bool
     if len(a) != len(b) or not numbers:
         return False
     return all(abs(x - y) <= RELATIVE_TOLERANCE * max(abs(x), abs(y)) + 1e-6 for x, y in zip(a, b))
+
+
+def base_id(model: nn.Module) -> str:
+    """A short hash of a base's fingerprint (what a base without an adapter keeps its own things under)."""
+    fingerprint = json.dumps(compute_fingerprint(model), sort_keys=True, default=str)
+    return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]

@@ -29,6 +29,7 @@ from ..models.exit_heads import ExitHead, check_vocab
 from ..models.head_types import build_head, head_class
 from .config import CALIBRATION_NAME, CONFIG_NAME, MODEL_CARD_NAME, VLLM_BASE_CONFIG_NAME, WEIGHTS_NAME, ExitHeadConfig, HiSpecAdapterConfig
 from .fingerprint import compute_fingerprint
+from .vocabulary import VOCAB_NAME
 
 if TYPE_CHECKING:
     from ..models.base import DecoderModel
@@ -52,6 +53,7 @@ class HiSpecAdapter(nn.Module):
         self.config = config
         self.heads = nn.ModuleDict({str(layer): head for layer, head in sorted(heads.items())})
         self.calibration_path: Path | None = None  # its calibration traces, where the directory holds them
+        self.vocab_path: Path | None = None  # its token ranking for the vocabulary level (adapter.vocabulary)
 
     @classmethod
     def create(cls, decoder: DecoderModel, base_name: str, specs: list[ExitSpec],
@@ -138,6 +140,8 @@ class HiSpecAdapter(nn.Module):
         adapter = cls(config, heads)
         calibration = directory / CALIBRATION_NAME
         adapter.calibration_path = calibration if calibration.is_file() else None
+        vocab = directory / VOCAB_NAME
+        adapter.vocab_path = vocab if vocab.is_file() else None
         return adapter
 
     def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None,
@@ -170,7 +174,7 @@ def _resolve(source: str | os.PathLike, revision: str | None) -> Path:
 
         try:
             return Path(snapshot_download(str(source), revision=revision, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, MODEL_CARD_NAME,
-                                                                                   VLLM_BASE_CONFIG_NAME, CALIBRATION_NAME]))
+                                                                                   VLLM_BASE_CONFIG_NAME, CALIBRATION_NAME, VOCAB_NAME]))
         except Exception as exc:  # network, auth, missing repo: all end here
             raise AdapterError(f"could not fetch adapter {source!r} from the Hub: {exc}") from exc
     raise AdapterError(f"adapter {str(source)!r} not found (neither a local directory nor a Hub repo id)")

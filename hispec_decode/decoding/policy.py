@@ -47,8 +47,10 @@ DEFAULT_TREE = "chain"
 DEFAULT_TREE_NODES = 8
 DEFAULT_TREE_WIDTH = 4
 DEFAULT_LOOKUP = 0  # prompt lookup off unless a machine's policy turns it on
+DEFAULT_VOCAB = 0  # no vocabulary level unless a policy turns it on
+DEFAULT_VOCAB_WINDOW = 4
 TUNABLE = ("draft_layer", "verify_layer", "window", "num_draft", "draft_threshold", "verify_threshold", "tree",
-           "tree_nodes", "tree_width", "lookup")
+           "tree_nodes", "tree_width", "lookup", "vocab", "vocab_window")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,33 @@ class Policy:
     tree_nodes: int = DEFAULT_TREE_NODES  # draft tree nodes at most (trees only)
     tree_width: int = DEFAULT_TREE_WIDTH  # children per node at most (trees only)
     lookup: int = DEFAULT_LOOKUP  # tokens copied per round from an earlier occurrence of the last tokens (0: off)
+    vocab: int = DEFAULT_VOCAB  # L_v's vocabulary: the base's this many most frequent tokens (0: no L_v)
+    vocab_window: int = DEFAULT_VOCAB_WINDOW  # N_v: tokens L_v accepts per pass of the full LM head at most
+
+    def exits(self, method: str, num_layers: int) -> tuple[int, ...]:
+        """The band tops of ``method`` under this policy, one per level, increasing; the last is the full
+        model ``L_f``. A level at ``num_layers`` below the last is the vocabulary level ``L_v`` (every
+        layer, then the LM head over ``vocab`` tokens); ``L_f`` above it runs no layer, only the full head.
+
+        * autoregressive: ``(L_f,)``
+        * self_spec: ``(L_d, L_f)`` (``L_d = L_v`` when ``draft_layer`` is the last layer)
+        * hispec: ``(L_d, [L_i,] [L_v,] L_f)``: ``L_i`` unless ``verify_layer`` is the last layer, ``L_v``
+          when ``vocab`` is on and it does not draft itself."""
+        n = num_layers
+        if method == "autoregressive":
+            return (n,)
+        if method == "self_spec":
+            return (self.draft_layer, n)
+        levels = [self.draft_layer]
+        if self.verify_layer < n:
+            levels.append(self.verify_layer)
+        if self.vocab and self.draft_layer < n:
+            levels.append(n)
+        return (*levels, n)
+
+    def window_at(self, layer: int, num_layers: int) -> int:
+        """Tentative tokens an intermediate level at ``layer`` gathers for the level above, at most."""
+        return self.vocab_window if layer >= num_layers else self.window
 
     def at_batch(self, batch_size: int) -> tuple[float, float]:
         """Effective ``(draft_threshold, verify_threshold)`` in a batch of ``batch_size`` sequences
@@ -96,13 +125,18 @@ def resolve_policy(config: SpeculativeConfig, num_layers: int, roles: dict[str, 
     draft_layer = _first(value["draft_layer"], roles.get("draft"), max(1, round(n * DEFAULT_DRAFT_FRACTION)))
     verify_layer = _first(value["verify_layer"], roles.get("intermediate"),
                           max(draft_layer + 1, round(n * DEFAULT_VERIFY_FRACTION)))
-    if method == "hispec" and not 1 <= draft_layer < verify_layer <= n:
+    vocab = _first(value["vocab"], DEFAULT_VOCAB)
+    if draft_layer == n and vocab and method != "autoregressive":  # L_v drafts: no exit between it and L_f
+        verify_layer = n
+    if method == "hispec" and not (1 <= draft_layer < verify_layer <= n or draft_layer == verify_layer == n and vocab):
         raise HiSpecError(
             f"hispec needs 1 <= draft_layer < verify_layer < {n} (the full model; or verify_layer = {n}: no "
-            f"intermediate level); got draft_layer={draft_layer}, verify_layer={verify_layer}"
+            f"intermediate layer; or draft_layer = {n} with vocab > 0: the vocabulary level drafts); got "
+            f"draft_layer={draft_layer}, verify_layer={verify_layer}"
         )
-    if method == "self_spec" and not 1 <= draft_layer < n:
-        raise HiSpecError(f"self_spec needs 1 <= draft_layer < {n}; got {draft_layer}")
+    if method == "self_spec" and not (1 <= draft_layer < n or draft_layer == n and vocab):
+        raise HiSpecError(f"self_spec needs 1 <= draft_layer < {n} (or draft_layer = {n} with vocab > 0: the "
+                          f"vocabulary level drafts); got {draft_layer}")
     window = _first(value["window"], DEFAULT_WINDOW)
     num_draft = _first(value["num_draft"], DEFAULT_NUM_DRAFT)
     batch = tuple((int(b), float(t)) for b, t in sorted(tuned.get("batch_thresholds", {}).items(), key=lambda kv: int(kv[0])))
@@ -112,7 +146,8 @@ def resolve_policy(config: SpeculativeConfig, num_layers: int, roles: dict[str, 
                   float(_first(value["draft_threshold"], DEFAULT_THRESHOLD)),
                   float(_first(value["verify_threshold"], DEFAULT_THRESHOLD)), batch,
                   _first(value["tree"], DEFAULT_TREE), _first(value["tree_nodes"], DEFAULT_TREE_NODES),
-                  _first(value["tree_width"], DEFAULT_TREE_WIDTH), _first(value["lookup"], DEFAULT_LOOKUP))
+                  _first(value["tree_width"], DEFAULT_TREE_WIDTH), _first(value["lookup"], DEFAULT_LOOKUP),
+                  vocab, _first(value["vocab_window"], DEFAULT_VOCAB_WINDOW))
 
 
 def _checked_tuned(tuned: dict[str, Any], method: str) -> dict[str, Any]:

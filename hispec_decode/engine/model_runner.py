@@ -19,6 +19,7 @@ import torch
 
 from ..cache.block_manager import DEFAULT_BLOCK_SIZE
 from ..cache.kv_cache import PagedKVCache
+from ..errors import HiSpecError
 from ..models.base import DecoderModel
 from ..models.exit_heads import ExitHead
 from .guard import SpeculationGuard
@@ -29,9 +30,12 @@ class ModelRunner:
     """A base model (through its :class:`DecoderModel`) plus exit heads by layer."""
 
     def __init__(self, decoder: DecoderModel, heads: dict[int, ExitHead] | None = None,
-                 use_exit_vocab: bool = True) -> None:
+                 use_exit_vocab: bool = True, ranking: torch.Tensor | None = None) -> None:
         self.decoder = decoder
         self.heads = dict(heads or {})
+        # the vocabulary level's rows: token ids, the base's most frequent first (see level_vocab)
+        self.ranking = ranking
+        self._level_vocabs: dict[int, torch.Tensor] = {}
         self.use_exit_vocab = use_exit_vocab  # use the heads' reduced vocabularies, where they have one
         # exit heads with their own attention keep K/V in extra cache layers after the base's
         cached = sorted(layer for layer, head in self.heads.items() if head.has_cache)
@@ -87,7 +91,7 @@ class ModelRunner:
                         st.context.keep_hidden(hi, start + j, h[0, seg.offset + j])
             elif hi in self.head_cache_layer:
                 g = head.extend(h, meta, cache, self.head_cache_layer[hi], self.decoder)
-            if hi == self.decoder.num_layers and self.keep_final:
+            if hi == self.decoder.num_layers and self.keep_final and hi > lo:
                 self._keep_final_states(group, spans, meta, h)
             for (i, st), (_, start, n), seg in zip(group, spans, meta.segments):
                 for b in range(band, last + 1):
@@ -212,16 +216,20 @@ class ModelRunner:
         for i, r in enumerate(requests):
             if not r.num_logits:  # a prefill chunk
                 out[i] = torch.empty(0)
-        wanted = [r.seq.exits[r.top_band] if r.num_logits else None for r in requests]
-        for layer in sorted({w for w in wanted if w is not None}):
-            idx = [i for i, w in enumerate(wanted) if w == layer]
+        wanted = [self._exit_of(r) if r.num_logits else None for r in requests]
+        for key in sorted({w for w in wanted if w is not None}):
+            layer, vocab = key
+            idx = [i for i, w in enumerate(wanted) if w == key]
             for i in idx:
                 if at_top[i] is None or at_top[i].shape[1] < requests[i].num_logits:
                     raise RuntimeError(f"request {i}: fewer new positions at exit {layer} than the "
                                        f"{requests[i].num_logits} asked for")
             newest = [at_top[i][:, -requests[i].num_logits :] for i in idx]
             head = self.heads.get(layer)
-            if layer in self.feature_layers:
+            if vocab:  # the vocabulary level: the final states, the LM head over its rows only
+                x = self.decoder.exit_norm(torch.cat(newest, dim=1))
+                logits = self.decoder.vocab_logits(x, self.level_vocab(vocab))[0]
+            elif layer in self.feature_layers:
                 x = self._feature_transform(layer, [requests[i].seq for i in idx], [requests[i].num_logits for i in idx],
                                             cache)
                 logits = head.project(x, self.decoder, restrict=self.use_exit_vocab)[0]
@@ -235,6 +243,31 @@ class ModelRunner:
                 out[i] = logits[offset : offset + requests[i].num_logits]
                 offset += requests[i].num_logits
         return out  # type: ignore[return-value]
+
+    def _exit_of(self, request: BandRequest) -> tuple[int, int]:
+        """The exit a request's logits come from: its layer, and the vocabulary level's size where its
+        band tops out at the last layer below the full model's level (0: the exit's own head)."""
+        seq = request.seq
+        layer = seq.exits[request.top_band]
+        below_top = request.top_band < len(seq.exits) - 1
+        vocab = seq.policy.vocab if seq.policy is not None else 0
+        return layer, (vocab if below_top and layer == self.decoder.num_layers else 0)
+
+    def set_ranking(self, ranking: torch.Tensor | None) -> None:
+        """Replace the vocabulary level's token ranking (token ids, most frequent first)."""
+        self.ranking, self._level_vocabs = ranking, {}
+
+    def level_vocab(self, size: int) -> torch.Tensor:
+        """The vocabulary level's rows for a vocabulary of ``size`` tokens: the first ``size`` of
+        :attr:`ranking` (sorted ids; one tensor per size, so its packed LM-head rows are cut once)."""
+        vocab = self._level_vocabs.get(size)
+        if vocab is None:
+            if self.ranking is None:
+                raise HiSpecError("the vocabulary level (vocab > 0) needs a token ranking; HiSpecModel finds one "
+                                  "(the adapter's, else a short calibration decode)")
+            vocab = self.ranking[:size].sort().values.to(self.decoder.device)
+            self._level_vocabs[size] = vocab
+        return vocab
 
     @torch.inference_mode()
     def exit_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ accepted path, moved to consecutive slots in the cache, its hidden states and co
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generator
 
 import torch
@@ -43,18 +43,57 @@ class Status(enum.Enum):
 
 @dataclass
 class Counters:
-    calls_draft: int = 0
-    calls_intermediate: int = 0
-    calls_full: int = 0
+    """What a sequence's decoding did, per level (a level is an index into ``exits``; the top one is the
+    full model ``L_f``): passes that checked there (``calls``), proposals checked there (``checked``) and
+    how many of them it accepted (``accepted``). Plain steps count as passes at the top."""
+
+    top: int = 0  # the full model's level
+    calls_draft: int = 0  # passes that drafted (the drafter's; one row each)
     copied: int = 0  # drafts that prompt lookup copied from earlier in the sequence
-    drafted: int = 0  # proposals checked by the intermediate exit (hispec)
-    accepted_intermediate: int = 0
-    tentative: int = 0  # proposals checked by the full model
-    accepted_final: int = 0
+    calls: dict[int, int] = field(default_factory=dict)
+    checked: dict[int, int] = field(default_factory=dict)
+    accepted: dict[int, int] = field(default_factory=dict)
+
+    def count(self, level: int, checked: int, accepted: int) -> None:
+        """One pass checked ``checked`` proposals at ``level`` and accepted ``accepted`` of them."""
+        self.calls[level] = self.calls.get(level, 0) + 1
+        self.checked[level] = self.checked.get(level, 0) + checked
+        self.accepted[level] = self.accepted.get(level, 0) + accepted
 
     def add(self, other: Counters) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.top = max(self.top, other.top)
+        self.calls_draft += other.calls_draft
+        self.copied += other.copied
+        for mine, theirs in ((self.calls, other.calls), (self.checked, other.checked), (self.accepted, other.accepted)):
+            for level, n in theirs.items():
+                mine[level] = mine.get(level, 0) + n
+
+    # the three-level names (L_d, L_i, L_f): the first intermediate level, and the top
+    @property
+    def calls_full(self) -> int:
+        return self.calls.get(self.top, 0)
+
+    @property
+    def tentative(self) -> int:
+        """Proposals verified by the full model."""
+        return self.checked.get(self.top, 0)
+
+    @property
+    def accepted_final(self) -> int:
+        return self.accepted.get(self.top, 0)
+
+    @property
+    def calls_intermediate(self) -> int:
+        return sum(self.calls.get(level, 0) for level in range(1, self.top))
+
+    @property
+    def drafted(self) -> int:
+        """Proposals checked by the first intermediate level."""
+        return self.checked.get(1, 0) if self.top > 1 else 0
+
+    @property
+    def accepted_intermediate(self) -> int:
+        return self.accepted.get(1, 0) if self.top > 1 else 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +133,7 @@ class Sequence:
         self.limit = limit if limit is not None else len(prompt) + 1  # total length at most
         self.eos = eos
         self.policy = policy
-        self.counters = Counters()
+        self.counters = Counters(top=len(exits) - 1)
         self.committed = len(prompt)  # tokens[:committed] are final (prompt + verified by the full model)
         self.rng_state = self.sampler.generator.get_state()  # the sampler's state at the last commit
         self.status = Status.WAITING

@@ -1,6 +1,7 @@
-"""Decoding strategies: autoregressive, single-level self-speculation, hierarchical HiSpec.
+"""Decoding strategies: autoregressive, and speculation over any list of levels (single-level
+self-speculation and hierarchical HiSpec are two of its configurations).
 
-All three share one interface (``decode(seq)``, a generator of engine requests), one engine
+They share one interface (``decode(seq)``, a generator of engine requests), one engine
 and one cache, so they are compared by swapping one argument. Every token that reaches the
 output has been chosen or verified by the full model, so greedy output equals the base
 model's and sampled output is an exact sample of it.
@@ -61,7 +62,7 @@ def run_alone(loop: DecodeLoop, answer: Callable[[BandRequest], torch.Tensor]) -
 def step_autoregressive(seq: Sequence, top_band: int) -> DecodeLoop:
     """One plain decoding step through every band (no exit but the last is evaluated)."""
     logits = yield BandRequest(seq, top_band, 1)
-    seq.counters.calls_full += 1
+    seq.counters.count(top_band, 0, 0)
     token, _ = seq.sampler.choose(logits, len(seq.tokens))
     seq.commit(len(seq.tokens), Verdict(0, token, None))
 
@@ -124,9 +125,9 @@ def draft_and_check(seq: Sequence, band: int, threshold: float) -> Generator[Ban
 class Strategy(ABC):
     name: str
 
-    @abstractmethod
     def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
-        """Band tops this strategy splits the model at."""
+        """Band tops this strategy splits the model at, one per level (:meth:`Policy.exits`)."""
+        return policy.exits(self.name, num_layers)
 
     @abstractmethod
     def decode(self, seq: Sequence) -> DecodeLoop:
@@ -136,99 +137,88 @@ class Strategy(ABC):
 class Autoregressive(Strategy):
     name = "autoregressive"
 
-    def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
-        return (num_layers,)
-
     def decode(self, seq: Sequence) -> DecodeLoop:
         while not seq.is_finished:
             yield from step_autoregressive(seq, 0)
 
 
-class SelfSpec(Strategy):
-    """LayerSkip-style: ``L_d`` drafts ``k`` tokens, the full model verifies them in one pass."""
+class Speculative(Strategy):
+    """One decode loop over any number of levels (``seq.exits``): a drafter proposes below level 1,
+    each intermediate level ``j`` checks what the level below gathered and gathers its own window of
+    tentative tokens (up to its window, while its confidence in them holds), and the full model, the
+    top level, verifies that window in one pass and commits. Level ``j`` treats level ``j - 1``'s
+    distribution as the proposal, so every stage is a speculative rejection step and the committed
+    tokens are the full model's (greedy) or exact samples of it.
 
-    name = "self_spec"
+    ``self_spec`` (LayerSkip) is the two-level case ``L_d -> L_f``; ``hispec`` has ``L_i`` and/or the
+    vocabulary level ``L_v`` in between (:meth:`Policy.exits`)."""
 
-    def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
-        return (policy.draft_layer, num_layers)
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     def decode(self, seq: Sequence) -> DecodeLoop:
+        policy, top = seq.policy, len(seq.exits) - 1
         while not seq.is_finished:
-            draft_threshold, _ = seq.policy.at_batch(seq.batch_size)
-            if not seq.speculate or (draft_threshold > 1 and not seq.policy.copies(seq.batch_size)):  # cannot pay here
-                yield from step_autoregressive(seq, 1)
+            draft_threshold, verify_threshold = policy.at_batch(seq.batch_size)
+            if not seq.speculate or (draft_threshold > 1 and (top == 1 or verify_threshold > 1)
+                                     and not policy.copies(seq.batch_size)):  # cannot pay here
+                yield from step_autoregressive(seq, top)
                 continue
             start = len(seq.tokens)
-            check = yield from draft_and_check(seq, 1, draft_threshold)
-            seq.counters.calls_full += 1
-            seq.counters.tentative += check.drafted
-            seq.counters.accepted_final += check.verdict.accepted
+            check = yield from check_at(seq, top, draft_threshold, verify_threshold)
+            seq.counters.count(top, check.drafted, check.verdict.accepted)
             seq.commit(start, check.verdict)
 
 
-class HiSpec(Strategy):
-    """``L_d`` drafts up to ``k_d`` confident tokens; ``L_i`` checks them and adds its own token;
-    while ``L_i``'s confidence in the tentative tokens holds (up to ``N_i`` of them), rounds
-    continue; then ``L_f`` verifies them all in one pass, treating ``L_i`` as the proposal.
-    A policy whose intermediate exit is the full model (``verify_layer`` = the number of layers)
-    switches the middle level off: ``L_d``'s drafts go straight to ``L_f`` (``self_spec``)."""
+def check_at(seq: Sequence, level: int, draft_threshold: float, verify_threshold: float
+             ) -> Generator[BandRequest, torch.Tensor, Check]:
+    """One round reaching ``level``: at level 1 the drafter's proposals, above it the window the level
+    below gathered, checked at ``level``'s exit in one pass (not yet kept or cut: see the callers)."""
+    if level == 1:
+        return (yield from draft_and_check(seq, 1, draft_threshold))
+    first = len(seq.tokens)
+    proposals = yield from gather(seq, level - 1, draft_threshold, verify_threshold)
+    tentative = seq.tokens[first:]
+    logits = yield BandRequest(seq, level, len(tentative) + 1)
+    verdict = seq.sampler.verify(tentative, proposals, logits, first)
+    return Check(len(tentative), verdict, logits, verdict.accepted < len(tentative))
 
-    name = "hispec"
 
-    def exits(self, policy: Policy, num_layers: int) -> tuple[int, ...]:
-        if policy.verify_layer >= num_layers:
-            return SelfSpec().exits(policy, num_layers)
-        return (policy.draft_layer, policy.verify_layer, num_layers)
-
-    def decode(self, seq: Sequence) -> DecodeLoop:
-        policy = seq.policy
-        if len(seq.exits) == 2:  # no intermediate level
-            yield from SelfSpec().decode(seq)
-            return
-        while not seq.is_finished:
-            draft_threshold, verify_threshold = policy.at_batch(seq.batch_size)
-            if not seq.speculate or (draft_threshold > 1 and verify_threshold > 1 and not policy.copies(seq.batch_size)):
-                yield from step_autoregressive(seq, 2)
-                continue
-            start = len(seq.tokens)  # tokens[start:] are tentative: accepted by L_i, not yet by L_f
-            proposals: list[torch.Tensor] = []  # L_i's distribution of each tentative token (sampling)
-            confidence = 1.0  # L_i's probability of the tentative tokens so far
-            while True:
-                first = len(seq.tokens)
-                check = yield from draft_and_check(seq, 1, draft_threshold)
-                seq.counters.calls_intermediate += 1
-                verdict = check.verdict
-                seq.counters.drafted += check.drafted
-                seq.counters.accepted_intermediate += verdict.accepted
-                gated = verify_threshold > 0  # no gate: no confidence to compute
-                if gated:  # [accepted + 1 or more]: L_i's top probability at the root and each accepted draft
-                    tops = seq.sampler.confidence(check.logits, verdict.target_probs)
-                    confidence *= _probability(verdict, seq.tokens[first : first + verdict.accepted], tops)
-                # L_i's own token: a replacement of a rejected draft always joins (dropping only those
-                # would keep the accepted drafts' tokens alone at that position, no longer samples of
-                # L_i); a bonus joins while L_i's top probability keeps the product at the gate, else
-                # the window closes and L_f chooses that position itself
-                replacement = check.replaced
-                if not gated or replacement or confidence * float(tops[verdict.accepted]) >= verify_threshold:
-                    appended = seq.extend(first, verdict)
-                    if gated and appended:
-                        confidence *= _probability(verdict, [verdict.token], tops, verdict.accepted)
-                else:
-                    seq.truncate(first + verdict.accepted)
-                    appended = False
-                if verdict.target_probs is not None:
-                    proposals.append(verdict.target_probs[: verdict.accepted + appended])
-                tentative = seq.tokens[start:]
-                if (not appended or len(tentative) >= policy.window or (gated and confidence < verify_threshold)
-                        or seq.room() == 0 or seq.eos.intersection(seq.tokens[first:])):
-                    break
-            logits = yield BandRequest(seq, 2, len(tentative) + 1)
-            seq.counters.calls_full += 1
-            p_i = torch.cat(proposals) if proposals else None
-            verdict = seq.sampler.verify(tentative, p_i, logits, start)
-            seq.counters.tentative += len(tentative)
-            seq.counters.accepted_final += verdict.accepted
-            seq.commit(start, verdict)
+def gather(seq: Sequence, level: int, draft_threshold: float, verify_threshold: float
+           ) -> Generator[BandRequest, torch.Tensor, torch.Tensor | None]:
+    """Rounds checked at intermediate ``level`` until its window closes: each keeps what the level
+    accepted plus its own token, while its probability of the tentative tokens stays at the gate
+    (``verify_threshold``) and up to its window. Returns the level's distribution of each tentative
+    token (the proposal for the level above; None when greedy)."""
+    start = len(seq.tokens)  # tokens[start:] are tentative: accepted here, not yet above
+    window = seq.policy.window_at(seq.exits[level], seq.exits[-1])
+    proposals: list[torch.Tensor] = []  # this level's distribution of each tentative token (sampling)
+    confidence = 1.0  # this level's probability of the tentative tokens so far
+    while True:
+        first = len(seq.tokens)
+        check = yield from check_at(seq, level, draft_threshold, verify_threshold)
+        verdict = check.verdict
+        seq.counters.count(level, check.drafted, verdict.accepted)
+        gated = verify_threshold > 0  # no gate: no confidence to compute
+        if gated:  # [accepted + 1 or more]: the level's top probability at the root and each accepted draft
+            tops = seq.sampler.confidence(check.logits, verdict.target_probs)
+            confidence *= _probability(verdict, seq.tokens[first : first + verdict.accepted], tops)
+        # the level's own token: a replacement of a rejected draft always joins (dropping only those
+        # would keep the accepted drafts' tokens alone at that position, no longer samples of this
+        # level); a bonus joins while the level's top probability keeps the product at the gate, else
+        # the window closes and the level above chooses that position itself
+        if not gated or check.replaced or confidence * float(tops[verdict.accepted]) >= verify_threshold:
+            appended = seq.extend(first, verdict)
+            if gated and appended:
+                confidence *= _probability(verdict, [verdict.token], tops, verdict.accepted)
+        else:
+            seq.truncate(first + verdict.accepted)
+            appended = False
+        if verdict.target_probs is not None:
+            proposals.append(verdict.target_probs[: verdict.accepted + appended])
+        if (not appended or len(seq.tokens) - start >= window or (gated and confidence < verify_threshold)
+                or seq.room() == 0 or seq.eos.intersection(seq.tokens[first:])):
+            return torch.cat(proposals) if proposals else None
 
 
 def _probability(verdict: Verdict, tokens: list[int], tops: torch.Tensor, offset: int = 0) -> float:
@@ -242,4 +232,4 @@ def _probability(verdict: Verdict, tokens: list[int], tops: torch.Tensor, offset
     return float(verdict.target_probs[rows, torch.tensor(tokens)].prod())
 
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Autoregressive(), SelfSpec(), HiSpec())}
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Autoregressive(), Speculative("self_spec"), Speculative("hispec"))}

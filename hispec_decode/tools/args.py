@@ -15,7 +15,7 @@ from typing import Any
 from ..config import METHODS, SCHEDULES, TREE_KINDS, SpeculativeConfig
 
 POLICY_ARGS = ("draft_layer", "verify_layer", "window", "num_draft", "tree", "tree_nodes", "tree_width", "lookup",
-               "batch_aware")  # the SpeculativeConfig fields benchmarks take
+               "vocab", "vocab_window", "batch_aware")  # the SpeculativeConfig fields benchmarks take
 SAMPLING_ARGS = ("do_sample", "temperature", "top_k", "top_p", "seed")  # the SamplingParams fields benchmarks take
 CHOICES = {"method": METHODS, "schedule": SCHEDULES, "tree": TREE_KINDS}
 ALIASES = {"do_sample": ["--sample"]}  # the name this CLI had before options came from the config

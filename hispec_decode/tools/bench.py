@@ -83,7 +83,7 @@ def verification_wall(model, policy, prompt: list[int], reps: int = 10) -> dict[
     single-token full pass, and a full pass over ``window + 1`` tokens (a verification)."""
     runner = model.runner
     cache = runner.new_cache(-(-(len(prompt) + policy.window + 1) // DEFAULT_BLOCK_SIZE) + 1)
-    seq = Sequence(0, prompt, cache.manager, (policy.draft_layer, model.num_layers))
+    seq = Sequence(0, prompt, cache.manager, (policy.draft_layer, model.num_layers), policy=policy)
     seq.allocate()
     runner.advance([BandRequest(seq, 1, 1)], cache)
 

@@ -28,10 +28,18 @@ class Candidate:
         return {"method": self.method, "draft_layer": p.draft_layer, "verify_layer": p.verify_layer,
                 "window": p.window, "num_draft": p.num_draft, "draft_threshold": p.draft_threshold,
                 "verify_threshold": p.verify_threshold, "tree": p.tree, "tree_nodes": p.tree_nodes,
-                "tree_width": p.tree_width, "lookup": p.lookup, "batch_aware": False, "guard": False}
+                "tree_width": p.tree_width, "lookup": p.lookup, "vocab": p.vocab, "vocab_window": p.vocab_window,
+                "batch_aware": False, "guard": False}
 
     def label(self) -> str:
-        copies = f", lookup<={self.policy.lookup}" if self.policy.lookup else ""
+        p = self.policy
+        copies = f", lookup<={p.lookup}" if p.lookup else ""
+        if p.vocab and self.num_layers and p.draft_layer >= self.num_layers:
+            return f"{self.method} L_v drafts (vocab {p.vocab}), k<={p.num_draft} tau_d={p.draft_threshold:g}" + copies
+        if p.vocab and self.num_layers:
+            middle = f" -> L{p.verify_layer}" if p.verify_layer < self.num_layers else ""
+            return (f"{self.method} L{p.draft_layer}{middle} -> L_v (vocab {p.vocab}) -> L_f, k_d<={p.num_draft} "
+                    f"N_v<={p.vocab_window} tau_d={p.draft_threshold:g}" + copies)
         return self._label() + copies
 
     def _label(self) -> str:
@@ -60,15 +68,18 @@ def predict(candidate: Candidate, traces: list[Trace], costs: CostModel, num_lay
     return {"tokens_per_second": tokens / seconds, "seconds": seconds, "tokens": tokens}
 
 
-def batch_thresholds(costs: CostModel, num_layers: int, cap: float, draft_layer: int) -> dict[str, float]:
+def batch_thresholds(costs: CostModel, num_layers: int, cap: float, policy: Policy) -> dict[str, float]:
     """Per batch size, the acceptance at which drafting one more token per step pays: what the token
-    adds (its row in the full pass, and its sequence's share of the batch's draft pass to ``draft_layer``)
-    over the cost per token of a plain step; above ``cap`` (what the exits reach) speculation stops."""
+    adds (its row in the full pass, and its sequence's share of the batch's draft pass to the policy's
+    draft exit) over the cost per token of a plain step; above ``cap`` (what the exits reach)
+    speculation stops."""
+    layer = policy.draft_layer
+    head = -policy.vocab if layer >= num_layers and policy.vocab else layer  # L_v drafting: its small head
     out, floor = {"1": 0.0}, 0.0
     for b in SEQS[1:]:
         step = costs.full_step(num_layers, b)
         marginal = costs.full_step(num_layers, b + 1) - step
-        draft = (costs.band(0, draft_layer, b, b) + costs.exit(draft_layer, b)) / b
+        draft = (costs.band(0, layer, b, b) + (costs.exit(head, b) if head in costs.exits else 0.0)) / b
         floor = max(floor, (marginal + draft) / (step / b))  # never lower in a bigger batch (timing noise aside)
         out[str(b)] = round(floor, 3) if floor <= cap else SPECULATION_OFF
     return out

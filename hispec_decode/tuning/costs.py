@@ -43,7 +43,8 @@ class CostModel:
     layer_rows: dict[int, float]  # per-layer seconds, one sequence with that many rows
     call_seqs: dict[int, float]  # per-call seconds, that many sequences of one row
     layer_seqs: dict[int, float]  # per-layer seconds, that many sequences of one row
-    exits: dict[int, dict[int, float]] = field(default_factory=dict)  # exit layer -> rows -> seconds
+    # exit layer (or -size: the vocabulary level over that many tokens) -> rows -> seconds
+    exits: dict[int, dict[int, float]] = field(default_factory=dict)
     request: float = 0.0  # per plain decoding request: what a real step adds (scheduling, sampling, bookkeeping)
     speculative_request: float = 0.0  # the same for a drafting, checking or verifying request (gates, verdicts)
 
@@ -83,8 +84,10 @@ def _median_seconds(fn, reps: int) -> float:
 
 
 @torch.inference_mode()
-def measure_costs(runner: ModelRunner, exit_layers: list[int], reps: int = 7) -> CostModel:
-    """Time band passes of 1 and all layers over the row and sequence grids, and each exit head."""
+def measure_costs(runner: ModelRunner, exit_layers: list[int], reps: int = 7, vocab_sizes: tuple[int, ...] = ()
+                  ) -> CostModel:
+    """Time band passes of 1 and all layers over the row and sequence grids, each exit head, and the
+    vocabulary level's head for each of ``vocab_sizes`` (under the key ``-size``)."""
     decoder = runner.decoder
     n = decoder.num_layers
     size = DEFAULT_BLOCK_SIZE
@@ -128,4 +131,11 @@ def measure_costs(runner: ModelRunner, exit_layers: list[int], reps: int = 7) ->
             if layer in runner.head_cache_layer:  # a head with attention: its block is part of the exit's cost
                 seconds += _interpolate(layer_rows, r)
             exits[layer][r] = seconds
+    for size in vocab_sizes:
+        vocab = runner.level_vocab(size)
+        exits[-size] = {}
+        for r in sorted(set(ROWS) | set(SEQS)):
+            h = torch.randn(1, r, decoder.config.hidden_size, generator=g).to(decoder.dtype)
+            exits[-size][r] = _median_seconds(
+                lambda: decoder.vocab_logits(decoder.exit_norm(h), vocab).float().softmax(-1).max(-1), reps)
     return CostModel(call_rows, layer_rows, call_seqs, layer_seqs, exits)

@@ -26,13 +26,15 @@ from typing import Any
 import torch
 
 from .. import machine
-from ..decoding.policy import Policy
+from ..adapter.fingerprint import base_id
+from ..adapter.vocabulary import calibration_prompts, fit_context
+from ..decoding.policy import DEFAULT_DRAFT_FRACTION, Policy
 from ..files import write_text
 from ..models.loading import hispec_home
-from .calibration import calibration_id, load_calibration
+from .calibration import calibration_id, load_calibration, record_calibration
 from .candidates import SPECULATION_OFF, Candidate, batch_thresholds, policy_dict, predict
 from .costs import CostModel, measure_costs
-from .simulate import Trace, precision_above, replay
+from .simulate import Trace, add_vocab_rows, precision_above, replay
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,11 @@ STATIC_TREES = ((2, 2, 1), (3, 3, 1), (4, 4, 1), (5, 4, 2), (6, 3, 2))  # (nodes
 MIDDLE = tuple(itertools.product((1, 2, 3), (2, 4), (0.0, 0.6), (0.0, 0.4)))  # (k_d, N_i, tau_d, tau_v)
 LOOKUP = 8  # tokens copied per round, in the candidates that try prompt lookup
 TRACES = 6  # calibration traces replayed per candidate (the first ones)
+BASE_TRACES, BASE_TOKENS = 4, 96  # a base without an adapter: prompts and tokens of its calibration decode
+VOCAB_SIZES = (4096, 8192, 16384)  # the vocabulary level's sizes tried (those below half the vocabulary)
+VOCAB_ALONE = ((1, 0.0), (2, 0.0), (3, 0.0), (2, 0.5), (3, 0.5), (4, 0.5), (6, 0.7))  # (k, tau_d), L_v drafting
+VOCAB_BELOW = tuple(itertools.product(((1, 0.0), (2, 0.4)), (2, 4, 6)))  # ((k_d, tau_d), N_v), L_d -> L_v
+DERIVATION = 2  # a derived record of another version is derived again
 OVERHEAD_TOKENS = 48  # tokens decoded to measure what a real request adds beyond its passes
 
 
@@ -57,16 +64,27 @@ def adapter_id(adapter: Any) -> str:
 
 
 def policy_path(model: Any) -> Path:
-    """Where this machine's policy for ``model``'s adapter and dtype is kept."""
-    key = machine.key(model.decoder.device, model.decoder.dtype, adapter_id(model.adapter))
-    return hispec_home() / "machine" / adapter_id(model.adapter) / f"{key}.json"
+    """Where this machine's policy for ``model``'s adapter (or its base, without one) and dtype is kept."""
+    owner = adapter_id(model.adapter) if model.adapter is not None else f"base-{base_id(model.base_model)}"
+    key = machine.key(model.decoder.device, model.decoder.dtype, owner)
+    return hispec_home() / "machine" / owner / f"{key}.json"
 
 
-def grid(layers: list[int], num_layers: int) -> list[Candidate]:
+def grid(layers: list[int], num_layers: int, vocab_sizes: tuple[int, ...] = ()) -> list[Candidate]:
     """Chains and static trees from each exit without a middle level, chains with each pair of exits
-    as draft and intermediate level, some of them after prompt lookup, lookup alone, and no
-    speculation at all."""
+    as draft and intermediate level, some of them after prompt lookup, lookup alone, the vocabulary
+    level of each size drafting alone and checking below the full head (under each exit, and under
+    each pair), and no speculation at all."""
     n, out = num_layers, []
+    for v in vocab_sizes:
+        out += [Candidate("hispec", Policy(n, n, 1, k, td, 0.0, vocab=v), n) for k, td in VOCAB_ALONE]
+        out.append(Candidate("hispec", Policy(n, n, 1, 2, 0.5, 0.0, lookup=LOOKUP, vocab=v), n))
+        for d in sorted(layers):
+            out += [Candidate("hispec", Policy(d, n, 1, k, td, 0.0, vocab=v, vocab_window=w), n)
+                    for (k, td), w in VOCAB_BELOW]
+            out.append(Candidate("hispec", Policy(d, n, 1, 1, 0.0, 0.0, lookup=LOOKUP, vocab=v, vocab_window=4), n))
+        for d, i in itertools.combinations(sorted(layers), 2):
+            out.append(Candidate("hispec", Policy(d, i, 2, 1, 0.0, 0.0, vocab=v, vocab_window=4), n))
     for d in sorted(layers):
         out += [Candidate("hispec", Policy(d, n, 1, k, td, 0.0), n) for k, td in CHAINS]
         out += [Candidate("hispec", Policy(d, n, 1, depth, 0.0, 0.0, tree="static", tree_nodes=nodes,
@@ -78,9 +96,10 @@ def grid(layers: list[int], num_layers: int) -> list[Candidate]:
         out += [Candidate("hispec", Policy(d, n, 1, k, td, 0.0, lookup=LOOKUP), n) for k, td in ((1, 0.0), (1, 0.4), (2, 0.4))]
     for d, i in itertools.combinations(sorted(layers), 2):
         out += [Candidate("hispec", Policy(d, i, w, 1, 0.0, 0.0, lookup=LOOKUP), n) for w in (2, 4)]
-    out.append(Candidate("hispec", Policy(min(layers), n, 1, 1, SPECULATION_OFF, 0.0, lookup=LOOKUP), n))
+    lowest = min(layers, default=max(1, round(n * DEFAULT_DRAFT_FRACTION)))  # no exit drafts in these two
+    out.append(Candidate("hispec", Policy(lowest, n, 1, 1, SPECULATION_OFF, 0.0, lookup=LOOKUP), n))
     # plain decoding through the bands: chosen where nothing is predicted to pay
-    out.append(Candidate("hispec", Policy(min(layers), n, 1, 1, SPECULATION_OFF, SPECULATION_OFF), n))
+    out.append(Candidate("hispec", Policy(lowest, n, 1, 1, SPECULATION_OFF, SPECULATION_OFF), n))
     return out
 
 
@@ -88,18 +107,22 @@ def derive(model: Any, traces: list[Trace], costs: CostModel) -> dict[str, Any]:
     """The fastest predicted ``hispec`` and ``self_spec`` policies under ``costs`` (no middle level
     for ``self_spec``), with what chose them."""
     n, eos = model.num_layers, model.decoder.default_eos_ids()
-    layers = sorted(traces[0].top)
+    layers = sorted(layer for layer in traces[0].top if layer > 0)
     traces = traces[:TRACES]
-    scored = sorted(((c, predict(c, traces, costs, n, eos)["tokens_per_second"]) for c in grid(layers, n)),
+    sizes = tuple(-key for key in costs.exits if int(key) < 0)
+    if sizes:
+        add_vocab_rows(model.runner, model.base_model, traces, sizes)
+    scored = sorted(((c, predict(c, traces, costs, n, eos)["tokens_per_second"]) for c in grid(layers, n, sizes)),
                     key=lambda cs: -cs[1])
     plain = next(tps for c, tps in scored if c.policy.draft_threshold > 1 and c.policy.verify_threshold > 1
                  and not c.policy.lookup)  # no speculation, prefills included as in every replay
     best = scored[0][0].policy
-    best_self = next(c.policy for c, _ in scored if c.policy.verify_layer >= n)
+    best_self = next(c.policy for c, _ in scored if c.policy.verify_layer >= n and c.policy.exits("self_spec", n)
+                     == c.policy.exits("hispec", n))
     cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
-    hispec = policy_dict(best) | {"batch_thresholds": batch_thresholds(costs, n, cap, best.draft_layer)}
+    hispec = policy_dict(best) | {"batch_thresholds": batch_thresholds(costs, n, cap, best)}
     self_spec = {k: v for k, v in policy_dict(best_self).items() if k not in ("verify_layer", "window", "verify_threshold")}
-    self_spec["batch_thresholds"] = batch_thresholds(costs, n, cap, best_self.draft_layer)
+    self_spec["batch_thresholds"] = batch_thresholds(costs, n, cap, best_self)
     predicted = [{"config": c.label(), "tokens_per_second": round(tps, 2)} for c, tps in scored[:8]]
     return {"hispec": hispec, "self_spec": self_spec, "predicted": predicted,
             "predicted_autoregressive": round(plain, 2)}
@@ -122,7 +145,11 @@ def speculative_overhead(model: Any, prompts: list[list[int]], traces: list[Trac
                          costs: CostModel, eos: frozenset[int]) -> float:
     """What a speculative request (draft, check, verification) costs beyond its passes: the real
     time of the fixed policy on a few prompts against its replay without that overhead."""
-    fixed = Candidate("hispec", Policy(layers[0], layers[1] if len(layers) > 1 else model.num_layers, 2, 1))
+    n = model.num_layers
+    if layers:
+        fixed = Candidate("hispec", Policy(layers[0], layers[1] if len(layers) > 1 else n, 2, 1))
+    else:  # a base without exits: the vocabulary level drafting
+        fixed = Candidate("hispec", Policy(n, n, 1, 2, vocab=min(vocab_sizes(model), default=VOCAB_SIZES[0])), n)
     model.generate([prompts[0]], max_new_tokens=4, **fixed.kwargs())  # warm-up
     t0 = time.perf_counter()
     for prompt, trace in zip(prompts, traces):
@@ -136,10 +163,22 @@ def speculative_overhead(model: Any, prompts: list[list[int]], traces: list[Trac
     return max(0.0, (seconds - modelled) / max(1, requests))
 
 
+def vocab_sizes(model: Any) -> tuple[int, ...]:
+    """The vocabulary level's sizes the derivation tries on ``model``: those below half its vocabulary
+    (none without a ranking to take them from: a base with no tokenizer and no adapter ranking)."""
+    has_ranking = model.runner.ranking is not None or model.tokenizer is not None or (
+        model.adapter is not None and model.adapter.vocab_path is not None)
+    return tuple(v for v in VOCAB_SIZES if v <= model.decoder.vocab_size // 2) if has_ranking else ()
+
+
 def machine_costs(model: Any, traces: list[Trace]) -> CostModel:
     """This machine's pass costs for ``model`` (seconds of measuring), with what a real request adds."""
-    layers = sorted(traces[0].top)
-    costs = measure_costs(model.runner, layers, reps=5)
+    layers = sorted(layer for layer in traces[0].top if layer > 0)
+    sizes = vocab_sizes(model)
+    if sizes:
+        model.token_ranking()
+    costs = measure_costs(model.runner, layers, reps=5, vocab_sizes=sizes)
+    add_vocab_rows(model.runner, model.base_model, traces, sizes)
     prompts = [t.tokens[: t.prompt_length] for t in traces[:2]]
     costs.request = request_overhead(model, prompts, OVERHEAD_TOKENS, costs)
     short = []  # the first tokens of each trace: what the speculative decode below makes
@@ -155,22 +194,28 @@ def machine_policy(model: Any) -> dict[str, Any] | None:
     dtype: the stored one (tuned here, or derived before), else derived now from the adapter's
     calibration (measuring this machine's costs: seconds) and stored; None without a calibration."""
     adapter = model.adapter
-    if adapter is None:
-        return None
     path = policy_path(model)
     stored = _read(path)
-    if stored is not None:
+    if stored is not None and (stored.get("source") != "derived" or stored.get("derivation") == DERIVATION):
         return stored["policies"]
-    if adapter.calibration_path is None:
+    if adapter is None:  # the base alone: traces of a short calibration decode, the vocabulary level's grid
+        if not vocab_sizes(model):
+            return None
+        calibration = "calibration decode"
+        prompts, new_tokens = fit_context(model, calibration_prompts(model.tokenizer)[:BASE_TRACES], BASE_TOKENS)
+        traces = record_calibration(model, prompts, new_tokens, [])
+    elif adapter.calibration_path is None:
         return None
-    traces = load_calibration(adapter.calibration_path)
-    logger.info("hispec: measuring this machine's pass costs for the adapter's policy (once; kept in %s)", path)
+    else:
+        calibration = calibration_id(adapter.calibration_path)
+        traces = load_calibration(adapter.calibration_path)
+    logger.info("hispec: measuring this machine's pass costs for a decoding policy (once; kept in %s)", path)
     t0 = time.perf_counter()
     costs = machine_costs(model, traces)
     derived = derive(model, traces, costs)
     policies = {"hispec": derived.pop("hispec"), "self_spec": derived.pop("self_spec")}
-    record = {"source": "derived", "machine": machine.describe(model.decoder.device), "dtype": str(model.decoder.dtype),
-              "calibration": calibration_id(adapter.calibration_path), "made_on": time.strftime("%Y-%m-%d"),
+    record = {"source": "derived", "derivation": DERIVATION, "machine": machine.describe(model.decoder.device), "dtype": str(model.decoder.dtype),
+              "calibration": calibration, "made_on": time.strftime("%Y-%m-%d"),
               "seconds": round(time.perf_counter() - t0, 1), "policies": policies, **derived, "costs": costs.to_dict()}
     store(path, record)
     logger.info("hispec: derived %s (predicted %.1f tok/s, plain %.1f) in %.0f s", derived["predicted"][0]["config"],

@@ -75,6 +75,29 @@ def record_trace(runner: ModelRunner, model: torch.nn.Module, prompt: list[int],
     return trace
 
 
+def vocab_key(size: int) -> int:
+    """Where traces and cost models keep the vocabulary level of ``size`` tokens (beside exit layers)."""
+    return -size
+
+
+@torch.inference_mode()
+def add_vocab_rows(runner: ModelRunner, model: torch.nn.Module, traces: list[Trace], sizes: tuple[int, ...]) -> None:
+    """The vocabulary level's top tokens and probabilities along each trace, for each of ``sizes``
+    (its restricted, renormalized distribution over ``runner.level_vocab(size)``)."""
+    inner = getattr(model, model.base_model_prefix)
+    decoder = runner.decoder
+    for trace in traces:
+        sizes = tuple(size for size in sizes if vocab_key(size) not in trace.top)
+        if not sizes:
+            continue
+        x = inner(input_ids=torch.tensor([trace.tokens])).last_hidden_state  # normed (and projected) already
+        for size in sizes:
+            logits = decoder.vocab_logits(x, runner.level_vocab(size))[0]
+            conf, top = logits.float().softmax(-1).topk(TOP_K, dim=-1)
+            trace.top[vocab_key(size)] = top.numpy().astype(np.int64)
+            trace.conf[vocab_key(size)] = conf.numpy().astype(np.float32)
+
+
 class _Sampler:
     """Greedy choices on trace "logits": rows of :data:`TOP_K` tokens, then their probabilities."""
 
@@ -142,6 +165,8 @@ class _Runner:
         for b in range(request.top_band + 1):
             manager.set_length(seq.seq_id, b, len(seq.tokens))
         layer = seq.exits[request.top_band]
+        if layer == self.num_layers and request.top_band < len(seq.exits) - 1:  # the vocabulary level
+            layer = vocab_key(seq.policy.vocab)
         self.seconds += self.costs.exit(layer, request.num_logits)
         self.seconds += self.costs.request if plain else self.costs.speculative_request
         out = np.empty((request.num_logits, 2 * TOP_K))

@@ -1,0 +1,143 @@
+"""The vocabulary level ``L_v`` (every layer, then the LM head over the base's most frequent tokens):
+greedy output equals transformers' for every architecture with ``L_v`` drafting alone, below trained
+exits and below an intermediate layer, with rankings that make it accept everything and nothing;
+sampled output follows the base distribution at both stages; the ranking file is checked."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from conftest import ARCHS, BATCH_PROMPTS, LAYERS, VOCAB, assert_first_two_tokens_follow
+from conftest import LOSSLESS_NEW as NEW
+from conftest import LOSSLESS_PROMPTS as PROMPTS
+from hispec_decode import HiSpecModel
+from hispec_decode.adapter.vocabulary import load_weights, ranking, save_weights, weights_from_tokens
+from hispec_decode.decoding.policy import Policy
+from hispec_decode.decoding.sampling import SamplingParams
+from hispec_decode.errors import AdapterError, HiSpecError
+
+# (method, draft_layer, verify_layer): L_v drafting alone; L_d -> L_v -> L_f; L_d -> L_i -> L_v -> L_f
+HIERARCHIES = [("self_spec", LAYERS, None), ("hispec", LAYERS, None), ("hispec", 1, LAYERS), ("hispec", 2, 4)]
+
+
+@contextlib.contextmanager
+def ranked(model: HiSpecModel, order: torch.Tensor):
+    before = model.runner.ranking
+    model.runner.set_ranking(order)
+    try:
+        yield
+    finally:
+        model.runner.set_ranking(before)
+
+
+def test_level_lists():
+    p = Policy(2, 4, 3, 2, vocab=16, vocab_window=5)
+    assert p.exits("hispec", 6) == (2, 4, 6, 6) and p.exits("self_spec", 6) == (2, 6) and p.exits("autoregressive", 6) == (6,)
+    assert Policy(2, 6, 3, 2, vocab=16).exits("hispec", 6) == (2, 6, 6)
+    assert Policy(6, 6, 3, 2, vocab=16).exits("hispec", 6) == (6, 6)  # L_v drafts
+    assert Policy(2, 6, 3, 2).exits("hispec", 6) == (2, 6)  # no middle level
+    assert p.window_at(4, 6) == 3 and p.window_at(6, 6) == 5
+
+
+def test_vocab_level_needs_a_ranking_and_valid_layers(hispec_models):
+    model = hispec_models["llama"]
+    with pytest.raises(HiSpecError, match="self_spec needs"):
+        model.generate([[1, 2]], max_new_tokens=2, method="self_spec", draft_layer=LAYERS)  # L_v drafting, vocab off
+    with pytest.raises(HiSpecError, match="vocab"):
+        model.generate([[1, 2]], max_new_tokens=2, method="hispec", draft_layer=1, verify_layer=LAYERS, vocab=-1)
+    with pytest.raises(HiSpecError, match="no tokenizer"):  # a tiny base: no tokenizer for a calibration decode
+        model.generate([[1, 2]], max_new_tokens=2, method="hispec", draft_layer=1, verify_layer=LAYERS, vocab=8)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_vocab_level_equals_transformers(arch, hispec_models, references):
+    model = hispec_models[arch]
+    wanted = {t for n in PROMPTS for t in references[arch, n]}
+    rest = [t for t in range(VOCAB) if t not in wanted]
+    orders = {  # how L_v does: mixed, right on every reference token, never right
+        "random": (torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1)), VOCAB // 2),
+        "all": (torch.tensor(sorted(wanted) + rest), len(wanted)),
+        "none": (torch.tensor(rest + sorted(wanted)), len(rest)),
+    }
+    for name, (order, size) in orders.items():
+        with ranked(model, order):
+            for method, draft_layer, verify_layer in HIERARCHIES:
+                accepted = checked = 0
+                for n, prompt in PROMPTS.items():
+                    out = model.generate([prompt], max_new_tokens=NEW, method=method, draft_layer=draft_layer,
+                                         verify_layer=verify_layer, window=3, num_draft=2, vocab=size, vocab_window=3)
+                    assert out.sequences[0] == references[arch, n], (name, method, draft_layer, verify_layer, n)
+                    if draft_layer == LAYERS:  # L_v's drafts, checked by the full head
+                        top = out.stats["levels"][-1]
+                        assert top["level"] == "L_f"
+                        accepted += top["accepted"]
+                        checked += top["checked"]
+                if draft_layer == LAYERS and name != "random":
+                    assert checked > 0
+                    assert accepted == (checked if name == "all" else 0), (name, method, accepted, checked)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "opt"])
+def test_batched_vocab_level_with_preemption(arch, hispec_models, tiny_models):
+    model = hispec_models[arch]
+    want = [tiny_models[arch].hf_generate(p, NEW) for p in BATCH_PROMPTS]
+    with ranked(model, torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))):
+        for method, draft_layer, verify_layer in HIERARCHIES[1:]:
+            out = model.generate(BATCH_PROMPTS, max_new_tokens=NEW, method=method, draft_layer=draft_layer,
+                                 verify_layer=verify_layer, vocab=VOCAB // 2, num_blocks=12, block_size=4)
+            assert out.sequences == want, (method, draft_layer, verify_layer)
+            assert out.stats["preemptions"] > 0, "no preemption: this test tests nothing"
+
+
+@pytest.mark.parametrize("hierarchy", [("hispec", 4, None), ("hispec", 1, 4), ("hispec", 1, 2)])
+def test_samples_with_vocab_level_follow_base_distribution(small_vocab_model, hierarchy):
+    """L_v's proposal is its restricted, renormalized distribution: the chi-square test of the sampling
+    tests (3000 draws) with L_v drafting (checked by L_f) and checking L_d's drafts (then L_f checks L_v)."""
+    path, reference = small_vocab_model
+    model = HiSpecModel.from_pretrained(str(path))
+    model.runner.set_ranking(torch.tensor([5, 2, 7, 0, 1, 3, 4, 6]))
+    method, draft_layer, verify_layer = hierarchy
+    params = SamplingParams(do_sample=True, temperature=0.9)
+    out = model.generate([[3, 1, 4]] * 3000, max_new_tokens=2, method=method, do_sample=True, temperature=0.9, seed=7,
+                         draft_layer=draft_layer, verify_layer=verify_layer, window=2, num_draft=2, vocab=5,
+                         vocab_window=2)
+    assert out.stats["levels"][-1]["checked"] > 0
+    assert_first_two_tokens_follow(out.sequences, reference, params)
+
+
+def test_ranking_file_round_trip_and_errors(tmp_path):
+    weights = weights_from_tokens([[3, 3, 5], [5, 5, 1]], 8)
+    assert weights.tolist() == [0, 1, 0, 2, 0, 3, 0, 0]
+    assert ranking(weights)[:3].tolist() == [5, 3, 1] and ranking(weights)[3:].tolist() == [0, 2, 4, 6, 7]
+    path = save_weights(tmp_path, weights, {"source": "test"})
+    assert torch.equal(load_weights(path, 8), weights)
+    with pytest.raises(AdapterError, match="base has 9"):
+        load_weights(path, 9)
+    path.write_bytes(path.read_bytes()[:20])
+    with pytest.raises(AdapterError, match="not a readable"):
+        load_weights(path, 8)
+
+
+def test_calibration_ranking_for_a_base_without_one(tmp_path, monkeypatch, tiny_models):
+    """A base whose adapter ships no ranking gets one from a short calibration decode, kept under
+    $HISPEC_HOME and read back next time."""
+    from transformers import AutoTokenizer
+
+    from conftest import save_char_tokenizer
+
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path / "home"))
+    save_char_tokenizer(tmp_path / "tok")
+    model = tiny_models["llama"].load()
+    model.tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    first = model.token_ranking()
+    assert sorted(first.tolist()) == list(range(VOCAB))
+    kept = list((tmp_path / "home" / "vocab").glob("*.safetensors"))
+    assert len(kept) == 1
+    again = tiny_models["llama"].load()
+    assert again.tokenizer is None  # read back: no decode needed
+    assert torch.equal(again.token_ranking(), first)
+    out = again.generate([[1, 2, 3]], max_new_tokens=NEW, method="self_spec", draft_layer=LAYERS, vocab=VOCAB // 2)
+    assert out.sequences[0] == tiny_models["llama"].hf_generate([1, 2, 3], NEW)
