@@ -23,11 +23,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from hispec_decode.adapter.config import HiSpecAdapterConfig
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import save_figure, write_text
 from hispec_decode.tools.cli import add_debug_arg, positive_int, run_cli
 
 from .distill import DRAFT_STEPS, Agreement, agreement
+from .store import StoreManifest
 from .store_data import FeatureStore
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_inputs(heads: list[str], features: str) -> None:
+    """Every adapter readable and every layer it needs in the store, before any work."""
+    manifest = StoreManifest.load(features)
+    for h in heads:
+        config = HiSpecAdapterConfig.from_pretrained(h)
+        missing = sorted({e.layer for e in config.exits} - set(manifest.layers))
+        if missing:
+            raise HiSpecError(f"feature store {features} holds layers {manifest.layers}; adapter {h} needs {missing} "
+                              f"too: rebuild the store with hispec-store --layers including them")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -105,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         if out.suffix:
             raise HiSpecError(f"--out is a path without extension (OUT.json and OUT.png are written); got {out}")
+        check_inputs(args.heads, args.features)
         results = [evaluate_adapter(h, args.features, args.base, args.seq_len, args.batch_size, args.max_tokens,
                                     args.costs) for h in args.heads]
         out.parent.mkdir(parents=True, exist_ok=True)

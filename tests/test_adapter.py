@@ -131,6 +131,27 @@ def test_unknown_keys_warn_missing_keys_fail(saved_adapter, caplog):
         HiSpecAdapterConfig.from_dict(data | {"format_version": 99})
 
 
+def test_a_bad_adapter_policy_fails_at_load_naming_the_file_and_field(saved_adapter, tmp_path, caplog):
+    """A value the user never passed (the adapter's tuned draft_layer 50 on a 6-layer base) fails when
+    the adapter loads, one line naming hispec_config.json and policy.<dtype>.<method>; an unknown key
+    inside a policy warns."""
+    adapter, _ = saved_adapter
+    data = adapter.config.to_dict()
+    adapter.save_pretrained(tmp_path / "a")
+    path = tmp_path / "a" / "hispec_config.json"
+    path.write_text(json.dumps(data | {"policy": {"float32": {"hispec": {"draft_layer": 50}}}}))
+    with pytest.raises(AdapterError, match=r"hispec_config\.json: policy\.float32\.hispec is invalid: .*draft_layer=50") as info:
+        HiSpecAdapter.from_pretrained(tmp_path / "a")
+    assert "\n" not in str(info.value)
+    path.write_text(json.dumps(data | {"policy": {"float32": {"hispec": {"window": 0}}}}))
+    with pytest.raises(AdapterError, match=r"policy\.float32\.hispec is invalid: .*window"):
+        HiSpecAdapter.from_pretrained(tmp_path / "a")
+    path.write_text(json.dumps(data | {"policy": {"float32": {"hispec": {"window": 2, "windw": 3}}}}))
+    with caplog.at_level(logging.WARNING):
+        HiSpecAdapter.from_pretrained(tmp_path / "a")
+    assert "policy.float32.hispec.windw" in caplog.text
+
+
 def test_bad_exit_specs(saved_adapter):
     adapter, _ = saved_adapter
     data = adapter.config.to_dict()

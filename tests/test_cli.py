@@ -19,6 +19,22 @@ def test_generate_with_prompt_ids(tiny_models, capsys):
     assert cli.main(["--base", path, "--prompt-ids", "1 2 3", "--sample", "--seed", "3", "--max-new-tokens", "4"]) == 0
 
 
+def test_generate_chat_without_a_chat_template_is_an_error(trainable_base, tmp_path, capsys):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(trainable_base, base)
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.chat_template = None
+    tok.save_pretrained(base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    assert cli.main(["--base", str(base), "--prompt", "hi", "--chat", "--max-new-tokens", "2"]) == 2
+    assert "has no chat template" in capsys.readouterr().err
+    assert cli.main(["--base", str(base), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+
+
 def test_generate_reports_bad_input(tiny_models, capsys):
     path = str(tiny_models["llama"].path)
     assert cli.main(["--base", path, "--prompt", "hello"]) == 2  # no tokenizer

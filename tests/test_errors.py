@@ -106,3 +106,17 @@ def test_a_packaged_base_without_its_package_says_what_to_install(tmp_path, monk
     with pytest.raises(HiSpecError, match=r"pip install no-such-package==1\.0"):
         packaged_base_dir(base)
     assert not cache_complete(tmp_path / "models" / "nope-1m")  # nothing left behind that looks converted
+
+
+def test_an_invalid_config_is_one_line_naming_the_file(tmp_path, capsys):
+    """transformers' strict config validation (a StrictDataclassError, several lines) becomes one
+    HiSpecError naming the config file, in the API and in hispec-generate."""
+    from hispec_decode.tools import generate as cli
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": -5}))
+    with pytest.raises(HiSpecError, match=r"config\.json: .*hidden size \(-5\)") as info:
+        HiSpecModel.from_pretrained(str(tmp_path))
+    assert "\n" not in str(info.value)
+    assert cli.main(["--base", str(tmp_path), "--prompt-ids", "1 2"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and "Traceback" not in err

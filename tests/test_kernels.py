@@ -193,3 +193,43 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path):
     kernels._clear_stale_lock(tmp_path)
     assert not lock.exists()
     kernels._clear_stale_lock(tmp_path)  # no lock: nothing to do
+
+
+def test_a_lock_that_turns_stale_while_a_load_waits_is_removed(tmp_path):
+    """A build killed less than STALE_LOCK_SECONDS ago: the next load waits on its lock, judges it again
+    every second and removes it once stale, then loads (before: torch waited forever). Run in a child
+    process (this one has loaded the kernels already), on a copy of the built kernels."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    if kernels.ops() is None:
+        pytest.skip("no compiled kernels here")
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernels.build_directory(), copy, ignore=shutil.ignore_patterns("lock"))
+    lock = copy / "lock"
+    lock.write_text("")
+    # made 2 s old just before the load: not stale then, stale 2 s later (STALE_LOCK_SECONDS = 4)
+    code = ("import logging, os, time, hispec_decode.kernels as k; logging.basicConfig(); k.STALE_LOCK_SECONDS = 4; "
+            f"t = time.time() - 2; os.utime({str(lock)!r}, (t, t)); print('loaded', k.ops() is not None)")
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, kernels.ENV_DIR: str(copy)},
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "loaded True" in out.stdout
+    assert "waiting on another build's lock" in out.stderr and "removing a build lock" in out.stderr
+    assert not lock.exists() and time.time() - t0 < 240
+
+
+def test_kernels_switched_off_say_so():
+    import os
+    import subprocess
+    import sys
+
+    code = "import logging, hispec_decode.kernels as k; logging.basicConfig(); print(k.ops())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, kernels.ENV_SWITCH: "0"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "None"
+    assert "hispec kernels: off (HISPEC_KERNELS=0)" in out.stderr

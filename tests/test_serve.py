@@ -154,6 +154,7 @@ def test_stop_strings_and_n(chat_model, reference):
                                               extra_body={"return_token_ids": True})
             assert alone.choices[0].token_ids == c.token_ids
         assert server.metric("hispec_cache_blocks_used") == 0
+        assert server.metric("hispec_aborted_requests_total") == 0  # a stop string finishes a request
     finally:
         server.close()
 
@@ -603,3 +604,19 @@ def test_port_in_use_fails_clearly(long_base):
                                "none", "--port", str(port), "--log-level", "warning"], capture_output=True, text=True,
                               timeout=120)
     assert proc.returncode == 2 and "port in use" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, message", [(["--port", "70000"], "not a port"), (["--port", "-1"], "below 0"),
+                                           (["--shutdown-timeout", "-5"], "finite number >= 0"),
+                                           (["--shutdown-timeout", "nan"], "finite number >= 0")])
+def test_serve_refuses_bad_options_before_loading(argv, message, capsys, monkeypatch):
+    from hispec_decode import api
+    from hispec_decode.tools import serve
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(api.HiSpecModel, "from_pretrained", no_loading)
+    with pytest.raises(SystemExit) as info:
+        serve.main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err

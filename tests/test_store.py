@@ -321,3 +321,19 @@ def test_selfdistill_resume_refuses_a_changed_prompt_file(trainable_base, prompt
     prompts.write_text("Something else entirely?\n" + prompt_file.read_text())
     with pytest.raises(HiSpecError, match="prompts .* changed"):
         generate(_distill_cfg(trainable_base, prompts, out, max_tokens=60, resume=True))
+
+
+def test_eval_heads_checks_every_adapter_against_the_store_before_any_work(store, trainable_base, tmp_path, monkeypatch):
+    from hispec_decode import ExitSpec
+    from hispec_train import eval_heads
+
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads="none")
+    HiSpecAdapter.create(model.decoder, str(trainable_base), [ExitSpec(1, "draft", "norm")]).save_pretrained(tmp_path / "a")
+    HiSpecAdapter.create(model.decoder, str(trainable_base), [ExitSpec(4, "draft", "norm")]).save_pretrained(tmp_path / "b")
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("an adapter was evaluated before every input was checked")
+
+    monkeypatch.setattr(eval_heads, "evaluate_adapter", no_work)
+    assert eval_heads.main(["--heads", str(tmp_path / "a"), str(tmp_path / "b"), "--features", str(store),
+                            "--base", str(trainable_base), "--out", str(tmp_path / "cmp")]) == 2

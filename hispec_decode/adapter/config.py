@@ -92,7 +92,10 @@ class HiSpecAdapterConfig:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise AdapterError(f"{path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except AdapterError as exc:
+            raise AdapterError(f"{path}: {exc}") from None
 
     # -- checks ----------------------------------------------------------------------------
     def validate(self) -> None:
@@ -114,6 +117,33 @@ class HiSpecAdapterConfig:
         for role in ("draft", "intermediate"):
             if sum(e.role == role for e in self.exits) > 1:
                 raise AdapterError(f"more than one exit has role {role!r}")
+        self._validate_policy()
+
+    def _validate_policy(self) -> None:
+        """Each tuned policy checked as an explicit one on a model of this depth: a bad value fails
+        here, naming its place; an unknown key warns."""
+        from ..config import METHODS, SpeculativeConfig
+        from ..decoding.policy import TUNABLE, resolve_policy
+        from ..errors import HiSpecError
+
+        if not isinstance(self.policy, dict):
+            raise AdapterError(f"key 'policy' must map dtypes to objects of methods; got {self.policy!r:.80}")
+        for dtype, methods in self.policy.items():
+            if not isinstance(methods, dict):
+                raise AdapterError(f"policy.{dtype} must map methods to policies; got {methods!r:.80}")
+            for method, tuned in methods.items():
+                if method not in METHODS or method == "autoregressive":
+                    logger.warning("%s: unknown method policy.%s.%s ignored", CONFIG_NAME, dtype, method)
+                    continue
+                if not isinstance(tuned, dict):
+                    raise AdapterError(f"policy.{dtype}.{method} must be an object; got {tuned!r:.80}")
+                for key in sorted(set(tuned) - set(TUNABLE) - {"batch_thresholds"}):
+                    logger.warning("%s: unknown key policy.%s.%s.%s ignored", CONFIG_NAME, dtype, method, key)
+                roles = {r: self.layer_for(r) for r in ("draft", "intermediate")}
+                try:
+                    resolve_policy(SpeculativeConfig(method=method), self.num_hidden_layers, roles, tuned)
+                except HiSpecError as exc:
+                    raise AdapterError(f"policy.{dtype}.{method} is invalid: {exc}") from None
 
     def check_base(self, fingerprint: dict[str, Any], base_name: str) -> None:
         """Refuse a base these heads were not trained for."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import threading
+import time
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -47,46 +49,99 @@ def enabled() -> bool:
 @lru_cache(maxsize=1)
 def _load() -> ModuleType | None:
     if not enabled():
+        logger.warning("hispec kernels: off (%s=%s); using the torch fallbacks", ENV_SWITCH, os.environ.get(ENV_SWITCH))
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
         logger.warning("hispec kernels: built for x86-64 only; this %s CPU uses the torch fallbacks",
                        platform.machine())
         return None
-    try:
-        from torch.utils.cpp_extension import load
+    for attempt in range(2):
+        try:
+            return _build()
+        except _LockCleared:  # a stale lock was removed while this load waited on it: build now
+            continue
+        except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths still work
+            return _fallback(exc)
+    return _fallback(RuntimeError("the build lock was left stale twice"))
 
-        directory = build_directory()
-        directory.mkdir(parents=True, exist_ok=True)
-        _clear_stale_lock(directory)
-        csrc = Path(__file__).parent / "csrc"
-        flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
-        return load("hispec_kernels", [str(csrc / s) for s in SOURCES], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
-    except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths still work
-        lines = str(exc).splitlines() or [""]
-        reason = next((line for line in lines if ": error" in line.lower()),
-                      next((line for line in lines if "error" in line.lower() and ":" in line), lines[0]))
-        logger.warning("hispec kernels: not available (%s: %s); using the torch fallbacks",
-                       type(exc).__name__, reason.strip()[:300])
-        return None
+
+class _LockCleared(Exception):
+    pass
+
+
+def _build() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(directory)
+    csrc = Path(__file__).parent / "csrc"
+    flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+    with _LockWatch(directory) as watch:
+        try:
+            return load("hispec_kernels", [str(csrc / s) for s in SOURCES], extra_cflags=flags,
+                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+        except Exception:
+            if watch.cleared:
+                raise _LockCleared() from None
+            raise
+
+
+def _fallback(exc: Exception) -> None:
+    lines = str(exc).splitlines() or [""]
+    reason = next((line for line in lines if ": error" in line.lower()),
+                  next((line for line in lines if "error" in line.lower() and ":" in line), lines[0]))
+    logger.warning("hispec kernels: not available (%s: %s); using the torch fallbacks",
+                   type(exc).__name__, reason.strip()[:300])
+    return None
 
 
 STALE_LOCK_SECONDS = 600  # a build takes about a minute; a lock this old was left by a killed one
 
 
-def _clear_stale_lock(directory: Path) -> None:
+def _clear_stale_lock(directory: Path) -> bool:
     """torch's build lock survives a killed build, and every later load would wait on it forever:
-    remove one older than :data:`STALE_LOCK_SECONDS`."""
-    import time
-
+    remove one older than :data:`STALE_LOCK_SECONDS`. Returns whether it removed one."""
     lock = directory / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
     except OSError:
-        return
+        return False
     if age > STALE_LOCK_SECONDS:
         logger.warning("hispec kernels: removing a build lock left %.0f s ago by an interrupted build (%s)", age, lock)
         lock.unlink(missing_ok=True)
+        return True
+    return False
+
+
+class _LockWatch:
+    """While a load runs (torch waits as long as another build's lock exists), judge the lock every
+    second: say once that the load waits on it, and remove it once it is older than
+    :data:`STALE_LOCK_SECONDS` (then the load fails and builds again)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.cleared = directory, False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hispec-kernel-lock", daemon=True)
+
+    def __enter__(self) -> _LockWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        said = False
+        while not self._done.wait(1.0):
+            lock = self.directory / "lock"
+            if not said and lock.exists():
+                said = True
+                logger.warning("hispec kernels: waiting on another build's lock (%s); it is removed once %d s old",
+                               lock, STALE_LOCK_SECONDS)
+            if _clear_stale_lock(self.directory):
+                self.cleared = True
 
 
 _off = 0  # depth of disabled() blocks

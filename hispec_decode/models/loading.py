@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from torch import nn
 
@@ -41,6 +42,11 @@ class LoadedBase:
     tokenizer: object | None  # None when the source has no tokenizer
     name: str  # a Hub id or a path, recorded in adapters
     revision: str | None = None  # the Hub commit, or the package that shipped it; None for a local directory
+
+
+def _one_line(exc: Exception) -> str:
+    """An exception's message on one line (transformers' config validators span several)."""
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
 
 
 def hispec_home() -> Path:
@@ -275,12 +281,13 @@ def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = 
             check_supported(str(_json_object(path / "config.json").get("model_type")))
         try:
             config = AutoConfig.from_pretrained(source, trust_remote_code=False)
-        except (OSError, ValueError) as exc:
-            raise HiSpecError(f"cannot read a model config from {source!r}: {exc}") from exc
+        except (OSError, ValueError, TypeError, StrictDataclassError) as exc:
+            where = path / "config.json" if path.is_dir() else repr(source)
+            raise HiSpecError(f"cannot read a model config from {where}: {_one_line(exc)}") from None
         check_supported(config.model_type)
         try:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, trust_remote_code=False)
-        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        except (OSError, ValueError, RuntimeError, SafetensorError, StrictDataclassError) as exc:
             where = f"the model cache {source} (delete that directory and it is converted again)" if packaged else source
             raise HiSpecError(f"cannot load the model weights in {where}: {type(exc).__name__}: {exc}") from exc
         tokenizer = _load_tokenizer(source)

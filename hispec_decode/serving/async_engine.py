@@ -55,7 +55,7 @@ class Snapshot:
     blocks_used: int = 0
     blocks_free: int = 0
     preemptions: int = 0
-    aborted: int = 0  # requests stopped before they finished (client gone, stop string, shutdown)
+    aborted: int = 0  # requests stopped before they finished (client gone, shutdown)
     generated_tokens: int = 0
     tokens_per_second: float = 0.0
     counters: Counters = field(default_factory=Counters)  # finished requests and the running ones so far
@@ -120,11 +120,12 @@ class AsyncEngine:
             raise
         return RequestHandle(request_id, events)
 
-    def done(self, handle: RequestHandle, abort: bool) -> None:
-        """The handler is finished with a request: abort it in the engine if it still runs."""
+    def done(self, handle: RequestHandle, abort: bool, finished: bool = False) -> None:
+        """The handler is finished with a request: abort it in the engine if it still runs (``finished``:
+        its answer is complete, e.g. at a stop string, so it does not count as aborted)."""
         self.in_flight -= 1
         if abort:
-            self._commands.put(("abort", handle.request_id))
+            self._commands.put(("end" if finished else "abort", handle.request_id))
 
     def request_stop(self) -> None:
         """Stop the engine loop after the commands already queued (thread-safe; e.g. the HTTP
@@ -188,8 +189,8 @@ class AsyncEngine:
                 return True
             self._streams[request_id] = events
             self._call(self._resolve, future, request_id)
-        elif kind == "abort" and arg in self._streams:
-            self._abort(arg)
+        elif kind in ("abort", "end") and arg in self._streams:
+            self._abort(arg, counted=kind == "abort")
         return True
 
     def _resolve(self, future: asyncio.Future, request_id: int) -> None:
@@ -198,10 +199,12 @@ class AsyncEngine:
         else:
             future.set_result(request_id)
 
-    def _abort(self, request_id: int) -> None:
+    def _abort(self, request_id: int, counted: bool = True) -> None:
+        """Stop a request in the engine; ``counted``: it did not finish (a choice ended by a stop string
+        did: its request only runs on until this lands)."""
         self.engine.abort(request_id)
         self._release(request_id)
-        self._aborted += 1
+        self._aborted += counted
 
     def _release(self, request_id: int) -> Counters:
         seq = self.engine.release(request_id)

@@ -112,7 +112,7 @@ class CompletionRun:
     def close(self) -> None:
         """Hand every choice back to the engine, aborting those still running."""
         for choice in self.choices:
-            self.engine.done(choice.handle, abort=not choice.finished or choice.text.stopped)
+            self.engine.done(choice.handle, abort=not choice.finished or choice.text.stopped, finished=choice.finished)
         self.choices = []
 
     def _unfinished(self) -> int:

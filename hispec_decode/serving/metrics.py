@@ -46,8 +46,8 @@ class EngineCollector:
         yield self._gauge("hispec_cache_blocks_used", "KV cache blocks held by sequences.", s.blocks_used)
         yield self._gauge("hispec_cache_blocks_free", "KV cache blocks free.", s.blocks_free)
         yield self._counter("hispec_preemptions", "Sequences preempted for KV blocks (recomputed later).", s.preemptions)
-        yield self._counter("hispec_aborted_requests", "Requests stopped before they finished (client gone, stop "
-                            "string, shutdown).", s.aborted)
+        yield self._counter("hispec_aborted_requests", "Requests stopped before they finished (client gone, "
+                            "shutdown).", s.aborted)
         yield self._counter("hispec_generation_tokens", "Output tokens committed by the full model.", s.generated_tokens)
         yield self._gauge("hispec_generation_tokens_per_second", "Output tokens/s over the last 10 s.",
                           s.tokens_per_second)

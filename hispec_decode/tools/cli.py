@@ -43,6 +43,24 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def port(text: str) -> int:
+    """A TCP port: 0 (any free one) to 65535."""
+    value = _int_at_least(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0 to 65535)")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return value
+
+
 def positive_int_list(text: str) -> list[int]:
     """``1,2,4``: a comma-separated list of integers >= 1."""
     return [positive_int(t) for t in text.split(",")]

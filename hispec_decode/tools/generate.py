@@ -73,6 +73,9 @@ def _run(args: argparse.Namespace) -> int:
     else:
         if model.tokenizer is None:
             raise HiSpecError("this base has no tokenizer: pass --prompt-ids")
+        if args.chat and not getattr(model.tokenizer, "chat_template", None):
+            raise HiSpecError(f"--chat: {model.base_name!r} has no chat template (a base model, not an instruct "
+                              f"one); leave out --chat to continue the prompt as plain text")
         rows = [encode_prompt(model.tokenizer, t, chat=args.chat) for t in texts]
     out = model.generate(rows, **overrides)
     for seq in out.sequences:

@@ -21,7 +21,7 @@ import threading
 from ..config import EngineConfig, SpeculativeConfig, field_names
 from ..errors import HiSpecError
 from .args import add_config_args, add_model_args, config_overrides
-from .cli import add_debug_arg, positive_int, run_cli
+from .cli import add_debug_arg, non_negative_float, port, positive_int, run_cli
 
 API_KEY_ENV = "HISPEC_API_KEY"
 
@@ -31,13 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000; 0: any free port)")
+    p.add_argument("--port", type=port, default=8000, help="port to listen on (default: 8000; 0: any free port)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the base's name)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--max-queue", type=positive_int, default=256,
                    help="requests that may wait for a place in the batch; more get HTTP 503 (default: 256)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+    p.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
                    help="seconds running requests get to finish on SIGTERM before they are aborted (default: 10)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(max_num_seqs=16)
