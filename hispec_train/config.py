@@ -222,10 +222,10 @@ def load_config(recipe: str | Path | None, overrides: dict[str, Any]) -> TrainCo
             raise HiSpecError(f"recipe {recipe} is not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from exc
         if not isinstance(data, dict):
             raise HiSpecError(f"recipe {recipe} must be a mapping of keys to values")
-    if "dataset" in overrides and overrides.get("features") not in (None, "none", "null"):
-        raise HiSpecError(f"both --dataset {overrides['dataset']} and --features {overrides['features']} are "
-                          f"given: train from a data set (the base runs each batch) or from a feature store")
     if "dataset" in overrides and data.get("features") is not None:  # the command line's data source wins
+        if overrides.get("features") not in (None, "none", "null"):
+            raise HiSpecError(f"both --dataset {overrides['dataset']} and --features {overrides['features']} are "
+                              f"given: train from a data set (the base runs each batch) or from a feature store")
         if "features" not in overrides:
             logger.info("--dataset %s replaces the recipe's features: %s", overrides["dataset"], data["features"])
             data["features"] = None

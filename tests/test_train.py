@@ -390,11 +390,3 @@ def test_decoder_block_heads_train_export_and_decode_losslessly(trainable_base, 
     assert batched.sequences == [model.generate([p], max_new_tokens=24, method="hispec", window=3,
                                                 num_draft=3).sequences[0] for p in prompts]
 
-
-def test_dataset_and_features_on_the_command_line_are_an_error(tmp_path):
-    """Both data sources given (without a recipe naming either): an error, not --dataset silently ignored."""
-    from hispec_train.config import load_config, parse_overrides
-
-    with pytest.raises(HiSpecError, match="both --dataset .* and --features"):
-        load_config(None, parse_overrides(["--features", str(tmp_path / "store"), "--dataset", str(tmp_path / "data")]))
-    assert load_config(None, parse_overrides(["--features", "none", "--dataset", str(tmp_path / "d")])).features is None
