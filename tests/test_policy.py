@@ -93,7 +93,7 @@ def test_hispec_without_its_middle_level_is_self_spec(arch, hispec_models, refer
 
 
 def test_policy_thresholds_rise_with_the_batch():
-    policy = Policy(2, 4, 4, 2, 0.3, 0.2, ((1, 0.0), (4, 0.5), (16, 1.5)))
+    policy = Policy(2, 4, 4, 2, 0.3, 0.2, batch_thresholds=((1, 0.0), (4, 0.5), (16, 1.5)))
     assert policy.at_batch(1) == (0.3, 0.2)
     assert policy.at_batch(3) == (0.3, 0.2)
     assert policy.at_batch(4) == (0.5, 0.5)
@@ -112,7 +112,7 @@ def test_tuned_adapter_policy_is_the_default_and_batch_aware(tiny_models, hispec
     adapter.save_pretrained(tmp_path / "heads")
     assert json.loads((tmp_path / "heads" / CONFIG_NAME).read_text())["policy"]["float32"]["hispec"]["window"] == 5
     model = tiny.load(heads=str(tmp_path / "heads"))
-    assert model.policy(method="hispec") == Policy(2, 4, 5, 3, 0.25, 0.01, ((1, 0.0), (4, 1.5)))
+    assert model.policy(method="hispec") == Policy(2, 4, 5, 3, 0.25, 0.01, batch_thresholds=((1, 0.0), (4, 1.5)))
     assert model.policy(method="hispec", window=2, batch_aware=False).window == 2
     assert model.policy(method="hispec", batch_aware=False).batch_thresholds == ()
     assert model.policy(method="self_spec").draft_threshold == 0.0  # tuned for hispec only

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -155,6 +156,9 @@ def test_stop_strings_and_n(chat_model, reference):
             assert alone.choices[0].token_ids == c.token_ids
         assert server.metric("hispec_cache_blocks_used") == 0
         assert server.metric("hispec_aborted_requests_total") == 0  # a stop string finishes a request
+        _, text = server.request("GET", "/metrics")  # per level: L_f's counts are the full model's
+        checked = dict(re.findall(r'^hispec_level_checked_tokens_total\{[^}]*level="([^"]+)"[^}]*\} (\S+)$', text, re.M))
+        assert "L_f" in checked and float(checked["L_f"]) == server.metric("hispec_tentative_tokens_total")
     finally:
         server.close()
 

@@ -141,3 +141,41 @@ def test_calibration_ranking_for_a_base_without_one(tmp_path, monkeypatch, tiny_
     assert torch.equal(again.token_ranking(), first)
     out = again.generate([[1, 2, 3]], max_new_tokens=NEW, method="self_spec", draft_layer=LAYERS, vocab=VOCAB // 2)
     assert out.sequences[0] == tiny_models["llama"].hf_generate([1, 2, 3], NEW)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "opt"])
+def test_bf16_batch_invariant_vocab_level_equals_own_autoregressive(arch, tiny_models):
+    """The batch-invariant mode keeps its guarantee with L_v: in bf16, every hierarchy with the
+    vocabulary level (and prompt lookup's union tree) gives this engine's own autoregressive output, at
+    batch 1 and beside other sequences."""
+    model = tiny_models[arch].load(dtype="bfloat16", batch_invariant=True)
+    model.runner.set_ranking(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3)))
+    prompts = list(PROMPTS.values())[:4]
+    alone = [model.generate([p], max_new_tokens=NEW, method="autoregressive").sequences[0] for p in prompts]
+    checked = 0
+    for method, draft_layer, verify_layer in HIERARCHIES:
+        for extra in ({}, {"lookup": 4, "drafting": "union"}):
+            for b in (1, 3):
+                out = model.generate(prompts[:b], max_new_tokens=NEW, method=method, draft_layer=draft_layer,
+                                     verify_layer=verify_layer, vocab=VOCAB // 2, vocab_window=3, num_draft=2,
+                                     guard=False, batch_aware=False, **extra)
+                assert out.sequences == alone[:b], (method, draft_layer, verify_layer, extra, b)
+                checked += out.stats["levels"][-1]["checked"]
+    assert checked > 0
+
+
+@pytest.mark.parametrize("method,draft_layer,verify_layer", HIERARCHIES)
+def test_drafter_invariant_samples_with_vocab_level_are_the_same_text(method, draft_layer, verify_layer, hispec_models):
+    """Drafter-invariant sampling keeps its guarantee with L_v: the seeded sample of every hierarchy with
+    the vocabulary level is the autoregressive one, alone and in a batch."""
+    model = hispec_models["llama"]
+    kwargs = dict(max_new_tokens=NEW, do_sample=True, temperature=0.9, seed=5, drafter_invariant=True)
+    prompts = BATCH_PROMPTS[:3]
+    alone = [model.generate([p], method="autoregressive", **(kwargs | {"seed": 5 + i})).sequences[0]
+             for i, p in enumerate(prompts)]
+    with ranked(model, torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))):
+        for b in (1, 3):
+            out = model.generate(prompts[:b], method=method, draft_layer=draft_layer, verify_layer=verify_layer,
+                                 vocab=VOCAB // 2, vocab_window=3, num_draft=2, **kwargs)
+            assert out.sequences == alone[:b], b
+            assert out.stats["levels"][-1]["checked"] > 0

@@ -29,47 +29,27 @@ adapter's roles (``draft`` / ``intermediate`` exits), then fractions of the dept
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
-from ..config import SpeculativeConfig
 from ..errors import HiSpecError
+from .knobs import KNOB, KNOBS, TUNABLE, check_knobs
+
+if TYPE_CHECKING:
+    from ..config import SpeculativeConfig
 
 # Layers scale with depth: the draft exit at ~1/8, the intermediate exit at ~1/4 of the layers.
 DEFAULT_DRAFT_FRACTION = 1 / 8
 DEFAULT_VERIFY_FRACTION = 1 / 4
-# Without a tuned policy: the fixed policy that was best in the sweep of the first default heads
-# (docs/sweep-bfloat16.md): short drafts and windows, no confidence gates.
-DEFAULT_WINDOW = 2  # N_i
-DEFAULT_NUM_DRAFT = 1  # k (self_spec) and k_d (hispec)
-DEFAULT_THRESHOLD = 0.0
-DEFAULT_TREE = "chain"
-DEFAULT_TREE_NODES = 8
-DEFAULT_TREE_WIDTH = 4
-DEFAULT_LOOKUP = 0  # prompt lookup off unless a machine's policy turns it on
-DEFAULT_VOCAB = 0  # no vocabulary level unless a policy turns it on
-DEFAULT_VOCAB_WINDOW = 4
-TUNABLE = ("draft_layer", "verify_layer", "window", "num_draft", "draft_threshold", "verify_threshold", "tree",
-           "tree_nodes", "tree_width", "lookup", "vocab", "vocab_window")
 
 
-@dataclass(frozen=True)
-class Policy:
-    """Exits, maxima and confidence thresholds of one run, checked against the model."""
+class PolicyRules:
+    """What a policy decides, from its knobs (:data:`~hispec_decode.decoding.knobs.KNOBS`, the fields of
+    :class:`Policy`) and its batch thresholds."""
 
-    draft_layer: int  # L_d
-    verify_layer: int  # L_i (the intermediate exit)
-    window: int  # N_i at most: tentative tokens per full verification
-    num_draft: int  # k (self_spec) or k_d (hispec) at most: drafts per check
-    draft_threshold: float = DEFAULT_THRESHOLD  # L_d drafts while its top probability is at least this
-    verify_threshold: float = DEFAULT_THRESHOLD  # L_i adds tokens while their probability product is at least this
-    batch_thresholds: tuple[tuple[int, float], ...] = ()  # (batch size, break-even acceptance), increasing sizes
-    tree: str = DEFAULT_TREE  # chain, static or dynamic
-    tree_nodes: int = DEFAULT_TREE_NODES  # draft tree nodes at most (trees only)
-    tree_width: int = DEFAULT_TREE_WIDTH  # children per node at most (trees only)
-    lookup: int = DEFAULT_LOOKUP  # tokens copied per round from an earlier occurrence of the last tokens (0: off)
-    vocab: int = DEFAULT_VOCAB  # L_v's vocabulary: the base's this many most frequent tokens (0: no L_v)
-    vocab_window: int = DEFAULT_VOCAB_WINDOW  # N_v: tokens L_v accepts per pass of the full LM head at most
+    def knobs(self) -> dict[str, Any]:
+        """The knobs' values (what a tuned policy stores, without its batch thresholds)."""
+        return {k: getattr(self, k) for k in TUNABLE}
 
     def exits(self, method: str, num_layers: int) -> tuple[int, ...]:
         """The band tops of ``method`` under this policy, one per level, increasing; the last is the full
@@ -114,18 +94,30 @@ class Policy:
         i = bisect.bisect_right(sizes, batch_size) - 1
         return self.batch_thresholds[max(i, 0)][1]
 
+# The policy of a run: one field per knob (layers first, without defaults), then the batch thresholds
+# ((batch size, break-even acceptance), increasing sizes).
+Policy = dataclasses.make_dataclass(
+    "Policy",
+    [(k.name, k.kind) if k.default is None else (k.name, k.kind, dataclasses.field(default=k.default)) for k in KNOBS]
+    + [("batch_thresholds", tuple, dataclasses.field(default=()))],
+    bases=(PolicyRules,), frozen=True)
+Policy.__module__ = __name__
+Policy.__doc__ = "Exits, maxima and confidence thresholds of one run, checked against the model:\n\n" + "\n".join(
+    f"* ``{k.name}``: {k.help}" for k in KNOBS)
+
 
 def resolve_policy(config: SpeculativeConfig, num_layers: int, roles: dict[str, int | None] | None = None,
                    tuned: dict[str, Any] | None = None) -> Policy:
     """Fill in what ``config`` leaves open (``tuned``: the adapter's tuned policy for this dtype;
     ``roles``: its ``draft``/``intermediate`` layers) and check the layers against the model."""
-    roles, tuned = roles or {}, _checked_tuned(tuned or {}, method=config.method)
+    roles, tuned = roles or {}, _checked_tuned(tuned or {})
     n, method = num_layers, config.method
     value = {k: getattr(config, k) if getattr(config, k) is not None else tuned.get(k) for k in TUNABLE}
+    value = {k: KNOB[k].default if v is None else v for k, v in value.items()}
     draft_layer = _first(value["draft_layer"], roles.get("draft"), max(1, round(n * DEFAULT_DRAFT_FRACTION)))
     verify_layer = _first(value["verify_layer"], roles.get("intermediate"),
                           max(draft_layer + 1, round(n * DEFAULT_VERIFY_FRACTION)))
-    vocab = _first(value["vocab"], DEFAULT_VOCAB)
+    vocab = value["vocab"]
     if draft_layer == n and vocab and method != "autoregressive":  # L_v drafts: no exit between it and L_f
         verify_layer = n
     if method == "hispec" and not (1 <= draft_layer < verify_layer <= n or draft_layer == verify_layer == n and vocab):
@@ -137,25 +129,17 @@ def resolve_policy(config: SpeculativeConfig, num_layers: int, roles: dict[str, 
     if method == "self_spec" and not (1 <= draft_layer < n or draft_layer == n and vocab):
         raise HiSpecError(f"self_spec needs 1 <= draft_layer < {n} (or draft_layer = {n} with vocab > 0: the "
                           f"vocabulary level drafts); got {draft_layer}")
-    window = _first(value["window"], DEFAULT_WINDOW)
-    num_draft = _first(value["num_draft"], DEFAULT_NUM_DRAFT)
     batch = tuple((int(b), float(t)) for b, t in sorted(tuned.get("batch_thresholds", {}).items(), key=lambda kv: int(kv[0])))
-    if not config.batch_aware:
-        batch = ()
-    return Policy(draft_layer, verify_layer, window, num_draft,
-                  float(_first(value["draft_threshold"], DEFAULT_THRESHOLD)),
-                  float(_first(value["verify_threshold"], DEFAULT_THRESHOLD)), batch,
-                  _first(value["tree"], DEFAULT_TREE), _first(value["tree_nodes"], DEFAULT_TREE_NODES),
-                  _first(value["tree_width"], DEFAULT_TREE_WIDTH), _first(value["lookup"], DEFAULT_LOOKUP),
-                  vocab, _first(value["vocab_window"], DEFAULT_VOCAB_WINDOW))
+    return Policy(**check_knobs(value | {"draft_layer": draft_layer, "verify_layer": verify_layer}),
+                  batch_thresholds=batch if config.batch_aware else ())
 
 
-def _checked_tuned(tuned: dict[str, Any], method: str) -> dict[str, Any]:
+def _checked_tuned(tuned: dict[str, Any]) -> dict[str, Any]:
     """An adapter's tuned policy, checked like explicit arguments (it comes from a JSON file)."""
     if not isinstance(tuned, dict):
         raise HiSpecError(f"the adapter's tuned policy must be a JSON object; got {type(tuned).__name__}")
     try:
-        SpeculativeConfig(method=method, **{k: tuned[k] for k in TUNABLE if k in tuned})  # the same checks
+        check_knobs(tuned)  # the checks explicit arguments get
         batch = tuned.get("batch_thresholds", {})
         if not isinstance(batch, dict) or not all(
                 str(b).isdigit() and isinstance(t, (int, float)) and 0 <= t < float("inf") for b, t in batch.items()):

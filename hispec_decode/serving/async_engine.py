@@ -25,6 +25,7 @@ from typing import Any
 from ..engine.llm_engine import LLMEngine
 from ..engine.sequence import Counters
 from ..errors import HiSpecError
+from ..outputs import level_names
 from ..sampling_params import SamplingParams
 from .protocol import ServerError
 
@@ -59,6 +60,7 @@ class Snapshot:
     generated_tokens: int = 0
     tokens_per_second: float = 0.0
     counters: Counters = field(default_factory=Counters)  # finished requests and the running ones so far
+    levels: tuple[str, ...] = ()  # the name of each level of ``counters`` (outputs.level_names), drafter first
 
 
 @dataclass
@@ -72,7 +74,8 @@ class AsyncEngine:
         self.engine = engine
         self.max_queue = max_queue
         self.threaded = threaded  # False: the caller runs :meth:`run` (the CLI, on the main thread)
-        self.snapshot = Snapshot(blocks_free=engine.cache.manager.num_blocks)
+        self.levels = tuple(level_names(engine.exits, engine.runner.decoder.num_layers))
+        self.snapshot = Snapshot(blocks_free=engine.cache.manager.num_blocks, levels=self.levels)
         self.in_flight = 0  # requests added and not yet finished (event-loop side)
         self.accepting = True
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -250,7 +253,8 @@ class AsyncEngine:
             running=len(self.engine.scheduler.running), waiting=len(self.engine.scheduler.waiting),
             blocks_used=manager.num_blocks - manager.num_free, blocks_free=manager.num_free,
             preemptions=self.engine.preemptions, aborted=self._aborted, generated_tokens=self._generated,
-            tokens_per_second=(self._generated - n0) / (now - t0) if now > t0 else 0.0, counters=counters)
+            tokens_per_second=(self._generated - n0) / (now - t0) if now > t0 else 0.0, counters=counters,
+            levels=self.levels)
 
     def _stop(self) -> None:
         """Abort whatever is still running (its handlers get a final "abort" event)."""

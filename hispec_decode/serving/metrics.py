@@ -60,6 +60,29 @@ class EngineCollector:
                           _ratio(c.accepted_intermediate, c.drafted))
         yield self._gauge("hispec_acceptance_final", "Share of proposals L_f accepted (NaN before any).",
                           _ratio(c.accepted_final, c.tentative))
+        yield from self._levels(s)
+
+    def _levels(self, s: Snapshot) -> Iterator[Metric]:
+        """Per verification level (label ``level``: L<layer>, L_v or L_f): passes, proposals checked and
+        accepted there, and the acceptance."""
+        labels = [*self.labels, "level"]
+        families = {
+            "passes": CounterMetricFamily("hispec_level_passes", "Passes that checked proposals at a level "
+                                          "(plain steps count at L_f).", labels=labels),
+            "checked": CounterMetricFamily("hispec_level_checked_tokens", "Proposals checked at a level.", labels=labels),
+            "accepted": CounterMetricFamily("hispec_level_accepted_tokens", "Proposals a level accepted.", labels=labels),
+            "acceptance": GaugeMetricFamily("hispec_level_acceptance", "Share of proposals a level accepted (NaN "
+                                            "before any).", labels=labels),
+        }
+        c = s.counters
+        for level, name in enumerate(s.levels[1:], start=1):
+            values = [*self.labels.values(), name]
+            checked, accepted = c.checked.get(level, 0), c.accepted.get(level, 0)
+            families["passes"].add_metric(values, c.calls.get(level, 0))
+            families["checked"].add_metric(values, checked)
+            families["accepted"].add_metric(values, accepted)
+            families["acceptance"].add_metric(values, _ratio(accepted, checked))
+        yield from families.values()
 
 
 class ServerMetrics:

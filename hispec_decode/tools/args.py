@@ -12,12 +12,11 @@ import dataclasses
 import typing
 from typing import Any
 
-from ..config import METHODS, SCHEDULES, TREE_KINDS, SpeculativeConfig
+from ..config import METHODS, SCHEDULES, SpeculativeConfig
+from ..decoding.knobs import TUNABLE
 
-POLICY_ARGS = ("draft_layer", "verify_layer", "window", "num_draft", "tree", "tree_nodes", "tree_width", "lookup",
-               "vocab", "vocab_window", "batch_aware")  # the SpeculativeConfig fields benchmarks take
+POLICY_ARGS = (*TUNABLE, "batch_aware")  # the SpeculativeConfig fields benchmarks take: every policy knob
 SAMPLING_ARGS = ("do_sample", "temperature", "top_k", "top_p", "seed")  # the SamplingParams fields benchmarks take
-CHOICES = {"method": METHODS, "schedule": SCHEDULES, "tree": TREE_KINDS}
 ALIASES = {"do_sample": ["--sample"]}  # the name this CLI had before options came from the config
 
 
@@ -86,7 +85,7 @@ def add_config_args(p: argparse.ArgumentParser, cls: type, names: typing.Iterabl
                            help=help_text)
         else:
             p.add_argument(*flags, dest=name, type=_parser_type(hints[name]), default=p.get_default(name),
-                           choices=CHOICES.get(name), help=help_text)
+                           choices=f.metadata.get("choices"), help=help_text)
 
 
 def config_overrides(args: argparse.Namespace, names: typing.Iterable[str]) -> dict[str, Any]:
@@ -104,6 +103,7 @@ VARIANTS = {
     "chain": {"tree": "chain"},  # the tuned policy, drafting a single chain
     "unguarded": {"guard": False},  # the policy as it is, never switched off by the run-time guard
     "lookup": {"lookup": 8},  # prompt lookup (8 tokens a round) before the policy's own drafts
+    "union": {"lookup": 8, "drafting": "union"},  # prompt lookup and the policy's own drafts as one tree (batch 1)
     "static": {"tree": "static", "tree_nodes": 5, "tree_width": 4, "num_draft": 2},  # a Medusa/EAGLE-1-style static tree
     "dynamic": {"tree": "dynamic", "tree_nodes": 6, "tree_width": 3, "num_draft": 2},  # EAGLE-2's dynamic tree
 }
@@ -133,7 +133,7 @@ def method_variant(spec: str) -> dict[str, Any]:
     single chain under the tuned policy, ``static`` draws a fixed tree of 5 nodes (width 4, depth 2),
     ``dynamic`` EAGLE-2's tree of 6 nodes (width 3, depth 2), on the tuned policy's exits and gates;
     ``unguarded`` runs the policy without the run-time guard (engine/guard.py), ``lookup`` tries prompt
-    lookup (8 tokens) before the policy's own drafts."""
+    lookup (8 tokens) before the policy's own drafts, ``union`` drafts both as one tree at batch 1."""
     method, _, variant = other_heads(spec)[0].partition(":")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} in {spec!r}; choose from {', '.join(METHODS)}")

@@ -7,7 +7,7 @@ A :class:`Candidate` is a method and a :class:`~hispec_decode.decoding.policy.Po
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from ..decoding.policy import Policy
@@ -24,12 +24,7 @@ class Candidate:
     num_layers: int = 0  # the model's, when the policy may name it as its intermediate exit (no middle level)
 
     def kwargs(self) -> dict[str, Any]:
-        p = self.policy
-        return {"method": self.method, "draft_layer": p.draft_layer, "verify_layer": p.verify_layer,
-                "window": p.window, "num_draft": p.num_draft, "draft_threshold": p.draft_threshold,
-                "verify_threshold": p.verify_threshold, "tree": p.tree, "tree_nodes": p.tree_nodes,
-                "tree_width": p.tree_width, "lookup": p.lookup, "vocab": p.vocab, "vocab_window": p.vocab_window,
-                "batch_aware": False, "guard": False}
+        return {"method": self.method, **self.policy.knobs(), "batch_aware": False, "guard": False}
 
     def label(self) -> str:
         p = self.policy
@@ -86,6 +81,6 @@ def batch_thresholds(costs: CostModel, num_layers: int, cap: float, policy: Poli
 
 
 def policy_dict(policy: Policy) -> dict[str, Any]:
-    return {k: v for k, v in asdict(policy).items() if k != "batch_thresholds"}
+    return policy.knobs()
 
 

@@ -6,8 +6,8 @@ agrees with the full model, by draft position, tree rank and level. What a pass 
 costs is measured here, once per machine (:func:`~.costs.measure_costs`: seconds), and cached under
 ``$HISPEC_HOME/machine/<adapter>/<machine>.json`` with the policy derived from both: every policy
 of a compact grid (chains, static trees, the middle level on and off) replayed on the traces under
-these costs, the fastest predicted one chosen. ``hispec-tune`` confirms policies by decoding and
-stores its choice in the same place (``"source": "tuned"``), which then wins over a derived one.
+these costs, the fastest predicted one refined knob by knob (:func:`refine`) and chosen.
+``hispec-tune`` confirms policies by decoding and stores its choice in the same place (``"source": "tuned"``), which then wins over a derived one.
 
 The key of a machine is its processor, vector features, bf16 linear, threads and the dtype
 (:func:`hispec_decode.machine.key`): a different CPU, thread count or dtype measures again.
@@ -21,13 +21,15 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from dataclasses import replace
+from typing import Any, Callable
 
 import torch
 
 from .. import machine
 from ..adapter.fingerprint import base_id
 from ..adapter.vocabulary import calibration_prompts, fit_context
+from ..decoding.knobs import KNOBS
 from ..decoding.policy import DEFAULT_DRAFT_FRACTION, Policy
 from ..files import write_text
 from ..models.loading import hispec_home
@@ -47,15 +49,20 @@ BASE_TRACES, BASE_TOKENS = 4, 96  # a base without an adapter: prompts and token
 VOCAB_SIZES = (4096, 8192, 16384)  # the vocabulary level's sizes tried (those below half the vocabulary)
 VOCAB_ALONE = ((1, 0.0), (2, 0.0), (3, 0.0), (2, 0.5), (3, 0.5), (4, 0.5), (6, 0.7))  # (k, tau_d), L_v drafting
 VOCAB_BELOW = tuple(itertools.product(((1, 0.0), (2, 0.4)), (2, 4, 6)))  # ((k_d, tau_d), N_v), L_d -> L_v
-DERIVATION = 2  # a derived record of another version is derived again
+DERIVATION = 3  # a derived record of another version is derived again
 OVERHEAD_TOKENS = 48  # tokens decoded to measure what a real request adds beyond its passes
 
 
 def adapter_id(adapter: Any) -> str:
-    """A short content hash of the adapter's heads (what its per-machine policies are kept under)."""
+    """A short content hash of the adapter's heads and the base they were made for (what its per-machine
+    policies are kept under: heads of equal weights on two bases are two adapters)."""
     cached = getattr(adapter, "_hispec_id", None)
     if cached is None:
         digest = hashlib.sha256()
+        config = adapter.config
+        digest.update(json.dumps({"base": config.base_fingerprint, "layers": config.num_hidden_layers,
+                                  "exits": [(e.layer, e.role, e.head_type) for e in config.exits]},
+                                 sort_keys=True, default=str).encode())
         for key, tensor in sorted(adapter.state_dict_flat().items()):
             digest.update(key.encode())
             digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
@@ -103,9 +110,31 @@ def grid(layers: list[int], num_layers: int, vocab_sizes: tuple[int, ...] = ()) 
     return out
 
 
-def derive(model: Any, traces: list[Trace], costs: CostModel) -> dict[str, Any]:
-    """The fastest predicted ``hispec`` and ``self_spec`` policies under ``costs`` (no middle level
-    for ``self_spec``), with what chose them."""
+def refine(best: Candidate, score: float, predicted: Callable[[Candidate], float], priced: Callable[[Candidate], bool],
+           rounds: int = 2) -> tuple[Candidate, float]:
+    """A local search around the grid's best: one knob at a time, each value its declaration lists for the
+    tuner (:data:`~hispec_decode.decoding.knobs.Knob.search`), kept where the replay predicts it faster
+    (among the policies whose exits were timed: ``priced``)."""
+    for _ in range(rounds):
+        improved = False
+        for knob in KNOBS:
+            for value in knob.search:
+                if getattr(best.policy, knob.name) == value:
+                    continue
+                candidate = Candidate(best.method, replace(best.policy, **{knob.name: value}), best.num_layers)
+                if not priced(candidate):
+                    continue
+                tps = predicted(candidate)
+                if tps > score:
+                    best, score, improved = candidate, tps, True
+        if not improved:
+            break
+    return best, score
+
+
+def ranked(model: Any, traces: list[Trace], costs: CostModel) -> list[tuple[Candidate, float]]:
+    """Every policy of :func:`grid` with its predicted tokens per second under ``costs``, fastest first;
+    the best one refined (:func:`refine`) leads."""
     n, eos = model.num_layers, model.decoder.default_eos_ids()
     layers = sorted(layer for layer in traces[0].top if layer > 0)
     traces = traces[:TRACES]
@@ -114,6 +143,21 @@ def derive(model: Any, traces: list[Trace], costs: CostModel) -> dict[str, Any]:
         add_vocab_rows(model.runner, model.base_model, traces, sizes)
     scored = sorted(((c, predict(c, traces, costs, n, eos)["tokens_per_second"]) for c in grid(layers, n, sizes)),
                     key=lambda cs: -cs[1])
+    def priced(c: Candidate) -> bool:  # every exit it drafts or checks at was timed
+        return all(layer in costs.exits for layer in c.policy.exits(c.method, n) if layer < n)
+
+    best = refine(scored[0][0], scored[0][1], lambda c: predict(c, traces, costs, n, eos)["tokens_per_second"], priced)
+    return scored if best[0] is scored[0][0] else [best, *scored]
+
+
+def derive(model: Any, traces: list[Trace], costs: CostModel,
+           scored: list[tuple[Candidate, float]] | None = None) -> dict[str, Any]:
+    """The fastest predicted ``hispec`` and ``self_spec`` policies under ``costs`` (no middle level
+    for ``self_spec``), with what chose them (``scored``: :func:`ranked`, if already computed)."""
+    n = model.num_layers
+    layers = sorted(layer for layer in traces[0].top if layer > 0)
+    scored = scored if scored is not None else ranked(model, traces, costs)
+    traces = traces[:TRACES]
     plain = next(tps for c, tps in scored if c.policy.draft_threshold > 1 and c.policy.verify_threshold > 1
                  and not c.policy.lookup)  # no speculation, prefills included as in every replay
     best = scored[0][0].policy

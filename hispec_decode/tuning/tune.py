@@ -8,8 +8,10 @@
    its tokens per second.
 4. Confirmation: the best few, the best ``self_spec``, the paper's fixed policy, token-tree
    policies (:data:`TREES` on the best chain's exits, with the middle level pruning and off: trees
-   are not replayed, they are measured) and plain decoding decode the prompts for real, side by
-   side; the best measured ``hispec`` policy wins.
+   are not replayed, they are measured), the derivation's best level lists and drafters (the
+   vocabulary level alone or under the exits, prompt lookup; :func:`.derive.ranked`, refined knob by
+   knob) and plain decoding decode the prompts for real, side by side; the best measured ``hispec``
+   policy wins.
 5. Batch: from the measured costs, the acceptance a speculated token needs to pay for its rows
    in a batch of B sequences; above what the exits ever reach, the policy stops speculating.
    Then the chosen policy decodes batches of each size of :data:`CONFIRM_BATCHES` beside plain
@@ -29,8 +31,7 @@ from tqdm.auto import tqdm
 
 from ..decoding.policy import Policy
 from .candidates import SPECULATION_OFF, Candidate, batch_thresholds, policy_dict, predict
-from .costs import measure_costs
-from .derive import derive, request_overhead, speculative_overhead
+from .derive import derive, machine_costs, ranked
 from .simulate import Trace, precision_above, record_trace
 
 logger = logging.getLogger(__name__)
@@ -83,9 +84,7 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
         traces = [record_trace(model.runner, model.base_model, p, c, layers, max_new_tokens)
                   for p, c in zip(prompts, plain.sequences)]
     logger.info("costs: timing band passes and exit heads")
-    costs = measure_costs(model.runner, layers)
-    costs.request = request_overhead(model, prompts[:2], max_new_tokens, costs)
-    costs.speculative_request = speculative_overhead(model, prompts[:2], traces[:2], layers, costs, eos)
+    costs = machine_costs(model, traces)  # incl. the vocabulary level's heads, where the base has a ranking
     ar_predicted = sum(len(t.tokens) - t.prompt_length for t in traces) / sum(
         costs.full_step(n, 1) * (len(t.tokens) - t.prompt_length) for t in traces)
     scored = [(c, predict(c, traces, costs, n, eos)) for c in tqdm(candidates(layers, n), desc="replaying policies")]
@@ -107,11 +106,16 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
         trees += [Candidate("hispec", replace(middle, tree=kind, tree_nodes=nodes, tree_width=width, num_draft=depth), n)
                   for kind, nodes, width, depth in TREES]
     # what a machine without this tuning would run: confirmed beside the rest
-    fields = {k: v for k, v in derive(model, traces, costs)["hispec"].items() if k != "batch_thresholds"}
+    # the derivation's grid: level lists (L_v alone, under each exit and pair) and drafters (prompt lookup)
+    derivation = ranked(model, traces, costs)
+    fields = {k: v for k, v in derive(model, traces, costs, derivation)["hispec"].items() if k != "batch_thresholds"}
     derived = Candidate("hispec", Policy(**fields), n)
-    confirmed = confirm_by_decoding(model, prompts, max_new_tokens, [*best_hispec, *trees, best_self, paper, derived])
+    labels = {c.label() for c in [*best_hispec, *trees, derived]}
+    levels = [c for c, _ in derivation if c.label() not in labels][:confirm]
+    confirmed = confirm_by_decoding(model, prompts, max_new_tokens,
+                                    [*best_hispec, *trees, *levels, best_self, paper, derived])
     predicted = dict((c.label(), s) for c, s in scored)
-    chosen = max([*best_hispec, *trees, derived], key=lambda c: confirmed[c.label()])
+    chosen = max([*best_hispec, *trees, *levels, derived], key=lambda c: confirmed[c.label()])
     no_middle = [c for c in trees if c.policy.verify_layer >= n]
     best_tree_off = max(no_middle, key=lambda c: confirmed[c.label()]) if no_middle else None
     chosen_self = (best_self if best_tree_off is None or confirmed[best_self.label()] >= confirmed[best_tree_off.label()]
@@ -121,6 +125,8 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
     thresholds, batched = confirm_batches(model, prompts, max_new_tokens, chosen, thresholds)
     rows = [{"config": c.label(), "predicted_tokens_per_second": round(predicted[c.label()]["tokens_per_second"], 2),
              "measured_tokens_per_second": round(confirmed[c.label()], 2)} for c in [*best_hispec, best_self, paper]]
+    rows += [{"config": c.label(), "predicted_tokens_per_second": round(tps, 2),
+              "measured_tokens_per_second": round(confirmed[c.label()], 2)} for c, tps in derivation if c in levels]
     rows += [{"config": c.label(), "predicted_tokens_per_second": None,  # trees are measured, not replayed
               "measured_tokens_per_second": round(confirmed[c.label()], 2)} for c in trees]
     rows.append({"config": "autoregressive", "predicted_tokens_per_second": round(ar_predicted, 2),
