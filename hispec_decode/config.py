@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .cache.block_manager import DEFAULT_BLOCK_SIZE
-from .decoding.knobs import KNOBS, TUNABLE, check_knobs
+from .knobs import KNOBS, TUNABLE, check_knobs
 from .errors import HiSpecError
 from .sampling_params import SamplingParams
 from .validation import as_int, check_bool, check_int, help_text
@@ -28,7 +28,7 @@ DEFAULT_SCHEDULE = "gather"  # measured faster at every batch size from 2 to 16 
 
 
 class SpeculativeChecks:
-    """The checks of a :class:`SpeculativeConfig` (its policy knobs: :mod:`hispec_decode.decoding.knobs`)."""
+    """The checks of a :class:`SpeculativeConfig` (its policy knobs: :mod:`hispec_decode.knobs`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or self.method not in METHODS:

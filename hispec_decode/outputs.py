@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .decoding.knobs import knob_stats
+from .knobs import knob_stats
 from .decoding.policy import Policy
 from .engine.llm_engine import LLMEngine
 from .engine.sequence import Counters, Sequence

@@ -100,9 +100,12 @@ def test_policy_thresholds_rise_with_the_batch():
     assert policy.at_batch(40) == (1.5, 1.5)  # above 1: no speculation
 
 
-def test_tuned_adapter_policy_is_the_default_and_batch_aware(tiny_models, hispec_models, references, tmp_path):
+def test_tuned_adapter_policy_is_the_default_and_batch_aware(tiny_models, hispec_models, references, tmp_path,
+                                                           monkeypatch):
     """An adapter's tuned policy fills what the call leaves open; in batches of 4 or more this one
-    says speculation cannot pay, so those rows decode plainly (same tokens)."""
+    says speculation cannot pay, so those rows decode plainly (same tokens). (A fresh $HISPEC_HOME: a
+    policy tuned on this machine for the same base and heads would win over the adapter's.)"""
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path / "home"))
     tiny = tiny_models["llama"]
     adapter = HiSpecAdapter.create(hispec_models["llama"].decoder, str(tiny.path),
                                    [ExitSpec(2, "draft", "norm"), ExitSpec(4, "intermediate", "norm")])

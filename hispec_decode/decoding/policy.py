@@ -33,7 +33,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ..errors import HiSpecError
-from .knobs import KNOB, KNOBS, TUNABLE, check_knobs
+from ..knobs import KNOB, KNOBS, TUNABLE, check_knobs
 
 if TYPE_CHECKING:
     from ..config import SpeculativeConfig
@@ -44,7 +44,7 @@ DEFAULT_VERIFY_FRACTION = 1 / 4
 
 
 class PolicyRules:
-    """What a policy decides, from its knobs (:data:`~hispec_decode.decoding.knobs.KNOBS`, the fields of
+    """What a policy decides, from its knobs (:data:`~hispec_decode.knobs.KNOBS`, the fields of
     :class:`Policy`) and its batch thresholds."""
 
     def knobs(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import typing
 from typing import Any
 
 from ..config import METHODS, SCHEDULES, SpeculativeConfig
-from ..decoding.knobs import TUNABLE
+from ..knobs import TUNABLE
 
 POLICY_ARGS = (*TUNABLE, "batch_aware")  # the SpeculativeConfig fields benchmarks take: every policy knob
 SAMPLING_ARGS = ("do_sample", "temperature", "top_k", "top_p", "seed")  # the SamplingParams fields benchmarks take

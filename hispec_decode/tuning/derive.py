@@ -29,7 +29,7 @@ import torch
 from .. import machine
 from ..adapter.fingerprint import base_id
 from ..adapter.vocabulary import calibration_prompts, fit_context
-from ..decoding.knobs import KNOBS
+from ..knobs import KNOBS
 from ..decoding.policy import DEFAULT_DRAFT_FRACTION, Policy
 from ..files import write_text
 from ..models.loading import hispec_home
@@ -113,7 +113,7 @@ def grid(layers: list[int], num_layers: int, vocab_sizes: tuple[int, ...] = ()) 
 def refine(best: Candidate, score: float, predicted: Callable[[Candidate], float], priced: Callable[[Candidate], bool],
            rounds: int = 2) -> tuple[Candidate, float]:
     """A local search around the grid's best: one knob at a time, each value its declaration lists for the
-    tuner (:data:`~hispec_decode.decoding.knobs.Knob.search`), kept where the replay predicts it faster
+    tuner (:data:`~hispec_decode.knobs.Knob.search`), kept where the replay predicts it faster
     (among the policies whose exits were timed: ``priced``)."""
     for _ in range(rounds):
         improved = False

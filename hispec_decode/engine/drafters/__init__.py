@@ -4,7 +4,7 @@ A drafter is one class in one module of this package (:class:`~.base.Drafter`): 
 drafts for a sequence under its policy (:meth:`~.base.Drafter.active`), proposes a chain or a tree of
 tokens with or without its distributions (:meth:`~.base.Drafter.propose`), and hears what the check
 accepted (:meth:`~.base.Drafter.feedback`). Every module here is imported below, so a new drafter is
-its module plus the knob that turns it on (:mod:`hispec_decode.decoding.knobs`).
+its module plus the knob that turns it on (:mod:`hispec_decode.knobs`).
 
 :func:`~.compose.propose` runs them for a round: the first active drafter that proposes something
 drafts it, in :attr:`~.base.Drafter.order`; under ``drafting="union"`` at batch 1 the proposals of

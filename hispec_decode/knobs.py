@@ -22,7 +22,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import HiSpecError
+from .errors import HiSpecError
 
 TREE_KINDS = ("chain", "static", "dynamic")  # what the draft exit proposes per round (docs/trees.md)
 DRAFTINGS = ("first", "union")  # how drafters share a round (hispec_decode.engine.drafters)
