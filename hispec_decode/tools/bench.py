@@ -48,6 +48,7 @@ class Tally:
     prompts: int = 0
     counters: Counters = field(default_factory=Counters)
     outputs: list[list[int]] = field(default_factory=list)
+    levels: list[str] = field(default_factory=list)  # the name of each level above the drafter
 
     def tps(self) -> float | None:
         return self.tokens / self.seconds if self.seconds else None
@@ -64,10 +65,17 @@ class Tally:
             "acceptance_intermediate": round(c.accepted_intermediate / c.drafted, 4) if c.drafted else None,
             "acceptance_final": round(c.accepted_final / c.tentative, 4) if c.tentative else None,
             "tokens_per_full_call": round(self.tokens / c.calls_full, 3) if c.calls_full else None,
+            "levels": level_acceptance(self.levels, c),
             "matches_transformers": f"{self.matches}/{self.prompts}",
             "matches_autoregressive": (f"{sum(a == b for a, b in zip(self.outputs, plain.outputs))}/{self.prompts}"
                                        if plain else None),
         }
+
+
+def level_acceptance(names: list[str], c: Counters) -> dict[str, float | None]:
+    """Per level above the drafter (``L<layer>``, ``L_v``, ``L_f``): the share of proposals it accepted."""
+    return {name: round(c.accepted.get(j, 0) / c.checked[j], 4) if c.checked.get(j) else None
+            for j, name in enumerate(names, start=1)}
 
 
 def _hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -138,8 +146,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     tokens = _hf_generate(model, prompt, args.max_new_tokens)
                     counters = Counters()
                 else:
-                    (seq,) = models(m).generate([prompt], sampling, config, **variant_for(models(m), m, config)).seqs
-                    tokens, counters = seq.new_tokens, seq.counters
+                    out = models(m).generate([prompt], sampling, config, **variant_for(models(m), m, config))
+                    tokens, counters = out.seqs[0].new_tokens, out.seqs[0].counters
+                    tallies[m].levels = [level["level"] for level in out.stats["levels"]]
                 tally = tallies[m]
                 tally.seconds += time.perf_counter() - t0
                 tally.tokens += len(tokens)
@@ -168,8 +177,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def format_table(results: dict[str, Any]) -> str:
     lines = [machine_line(results)]
     width = max([15, *(len(m) for res in results["dtypes"].values() for m in res["methods"])])
-    head = (f"{'dtype':9} {'method':{width}} {'tok/s':>8} {'x HF':>6} {'x AR':>6} {'acc L_i':>8} {'acc L_f':>8} "
-            f"{'tok/full':>9} {'= HF':>7} {'= AR':>7}")
+    head = (f"{'dtype':9} {'method':{width}} {'tok/s':>8} {'x HF':>6} {'x AR':>6} {'tok/full':>9} {'= HF':>7} "
+            f"{'= AR':>7}  accepted per level")
     for dtype, res in results["dtypes"].items():
         lines += [head, "-" * len(head)]
         for m, r in res["methods"].items():
@@ -177,9 +186,9 @@ def format_table(results: dict[str, Any]) -> str:
                 return "-" if x is None else (f"{100 * x:.1f}%" if pct else f"{x:.2f}")
             lines.append(f"{dtype:9} {m:{width}} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
                          f"{f(r.get('ratio_to_autoregressive')):>6} "
-                         f"{f(r['acceptance_intermediate'], True):>8} {f(r['acceptance_final'], True):>8} "
                          f"{f(r['tokens_per_full_call']):>9} {r['matches_transformers']:>7} "
-                         f"{r.get('matches_autoregressive') or '-':>7}")
+                         f"{r.get('matches_autoregressive') or '-':>7}  "
+                         + (" ".join(f"{k} {f(v, True)}" for k, v in (r.get("levels") or {}).items()) or "-"))
         w = res["verification_wall"]
         lines.append(f"verification wall ({dtype}): full pass {w['full_pass_ms']:.1f} ms / draft pass "
                      f"{w['draft_pass_ms']:.1f} ms = {w['full_over_draft']:.2f}x; a {res['policy']['window'] + 1}-token "

@@ -21,6 +21,7 @@ from ..config import DEFAULT_SCHEDULE, SpeculativeConfig
 from ..engine.sequence import Counters
 from ..sampling_params import SamplingParams
 from .args import autoregressive_of, variant_for
+from .bench import level_acceptance
 
 
 @dataclass
@@ -31,6 +32,7 @@ class BatchTally:
     outputs: list[list[int]] = field(default_factory=list)
     peak_cache_bytes: int = 0
     needed_cache_bytes: int = 0
+    levels: list[str] = field(default_factory=list)  # the name of each level above the drafter
 
 
 def hf_generate_padded(model, rows: list[list[int]], max_new_tokens: int, eos: frozenset[int]) -> list[list[int]]:
@@ -71,6 +73,7 @@ def run_batched(models: Callable[[str], Any], prompts: list[list[int]], batch_si
                 if out is not None:
                     for seq in out.seqs:
                         t.counters.add(seq.counters)
+                    t.levels = [level["level"] for level in out.stats["levels"]]
                     t.peak_cache_bytes = max(t.peak_cache_bytes, out.stats["peak_cache_bytes"])
                     t.needed_cache_bytes = max(t.needed_cache_bytes, out.stats["needed_cache_bytes"])
         results[str(b)] = _rows(tallies)
@@ -98,6 +101,7 @@ def _rows(tallies: dict[str, BatchTally]) -> dict[str, Any]:
             "ratio_to_autoregressive": round(tps / (ar.tokens / ar.seconds), 3) if ar else None,
             "acceptance_intermediate": round(c.accepted_intermediate / c.drafted, 4) if c.drafted else None,
             "acceptance_final": round(c.accepted_final / c.tentative, 4) if c.tentative else None,
+            "levels": level_acceptance(t.levels, c),
             "matches_transformers": (f"{sum(a == b for a, b in zip(t.outputs, base.outputs))}/{len(t.outputs)}"
                                      if base else None),
             "matches_autoregressive": (f"{sum(a == b for a, b in zip(t.outputs, plain.outputs))}/{len(t.outputs)}"
@@ -109,8 +113,8 @@ def _rows(tallies: dict[str, BatchTally]) -> dict[str, Any]:
 
 
 def format_batched(results: dict[str, Any], dtype: str) -> str:
-    head = (f"{'batch':>5} {'method':18} {'tok/s':>8} {'x HF':>6} {'x AR':>6} {'acc L_i':>8} {'acc L_f':>8} "
-            f"{'= HF':>7} {'= AR':>7} {'cache peak/need':>16}")
+    head = (f"{'batch':>5} {'method':18} {'tok/s':>8} {'x HF':>6} {'x AR':>6} {'= HF':>7} {'= AR':>7} "
+            f"{'cache peak/need':>16}  accepted per level")
     lines = [f"batched throughput ({dtype})", head, "-" * len(head)]
     for b, rows in results.items():
         for m, r in rows.items():
@@ -118,9 +122,9 @@ def format_batched(results: dict[str, Any], dtype: str) -> str:
                 return "-" if x is None else (f"{100 * x:.1f}%" if pct else f"{x:.2f}")
             cache = "-" if not r["peak_cache_bytes"] else f"{r['peak_cache_bytes'] / 2**20:.1f}/{r['needed_cache_bytes'] / 2**20:.1f} MiB"
             lines.append(f"{b:>5} {m:18.18} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
-                         f"{f(r['ratio_to_autoregressive']):>6} {f(r['acceptance_intermediate'], True):>8} "
-                         f"{f(r['acceptance_final'], True):>8} {r['matches_transformers'] or '-':>7} "
-                         f"{r.get('matches_autoregressive') or '-':>7} {cache:>16}")
+                         f"{f(r['ratio_to_autoregressive']):>6} {r['matches_transformers'] or '-':>7} "
+                         f"{r.get('matches_autoregressive') or '-':>7} {cache:>16}  "
+                         + (" ".join(f"{k} {f(v, True)}" for k, v in (r.get("levels") or {}).items()) or "-"))
     return "\n".join(lines)
 
 
