@@ -65,5 +65,11 @@ def level_stats(exits: tuple[int, ...], num_layers: int, c: Counters) -> list[di
             for j in range(1, len(exits))] if len(exits) > 1 else []
 
 
+def level_acceptance(names: list[str], c: Counters) -> dict[str, float | None]:
+    """Per level above the drafter (``L<layer>``, ``L_v``, ``L_f``): the share of proposals it accepted."""
+    return {name: round(c.accepted.get(j, 0) / c.checked[j], 4) if c.checked.get(j) else None
+            for j, name in enumerate(names, start=1)}
+
+
 def _policy_stats(method: str, policy: Policy) -> dict[str, Any]:
     return knob_stats(method, policy.knobs())

@@ -29,6 +29,7 @@ from ..engine.sequence import BandRequest, Counters, Sequence
 from ..errors import HiSpecError
 from ..files import check_writable, save_figure, write_text
 from ..models.loading import parse_dtype
+from ..outputs import level_acceptance
 from ..sampling_params import SamplingParams
 from .args import (OTHER_HEADS, POLICY_ARGS, SAMPLING_ARGS, ModelVariants, add_config_args, add_model_args,
                    autoregressive_of, config_overrides, method_variant, variant_for)
@@ -70,12 +71,6 @@ class Tally:
             "matches_autoregressive": (f"{sum(a == b for a, b in zip(self.outputs, plain.outputs))}/{self.prompts}"
                                        if plain else None),
         }
-
-
-def level_acceptance(names: list[str], c: Counters) -> dict[str, float | None]:
-    """Per level above the drafter (``L<layer>``, ``L_v``, ``L_f``): the share of proposals it accepted."""
-    return {name: round(c.accepted.get(j, 0) / c.checked[j], 4) if c.checked.get(j) else None
-            for j, name in enumerate(names, start=1)}
 
 
 def _hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:

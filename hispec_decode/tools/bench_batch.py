@@ -19,9 +19,9 @@ from tqdm.auto import tqdm
 
 from ..config import DEFAULT_SCHEDULE, SpeculativeConfig
 from ..engine.sequence import Counters
+from ..outputs import level_acceptance
 from ..sampling_params import SamplingParams
 from .args import autoregressive_of, variant_for
-from .bench import level_acceptance
 
 
 @dataclass
