@@ -1,4 +1,4 @@
-"""The drafter interface, and one round's drafting (:func:`propose`).
+"""The drafter interface (one round's drafting from the registered drafters is in :mod:`.compose`).
 
 Glossary:
 
