@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run_cli("hispec-train", lambda: _run(argv), debug)
+    return run_cli("hispec-train", lambda: _run(argv), debug, extra="train")
 
 
 def _run(argv: list[str]) -> int:
@@ -39,6 +39,9 @@ def _run(argv: list[str]) -> int:
     recipe = overrides.pop("recipe", None)
     if recipe == "true":
         raise HiSpecError("--recipe needs a path")
+    if "dataset" in overrides and overrides.get("features") not in (None, "none", "null"):
+        raise HiSpecError(f"both --dataset {overrides['dataset']} and --features {overrides['features']} are given: "
+                          f"train from a data set (the base runs each batch) or from a feature store")
     cfg = load_config(recipe, overrides)
     from .trainer import train
 

@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 
 from hispec_decode.errors import HiSpecError
-from hispec_decode.models.head_types import HEAD_TYPES, build_head
 from hispec_decode.models import parse_dtype
+from hispec_decode.models.head_types import HEAD_TYPES, build_head
 
 logger = logging.getLogger(__name__)
 
@@ -223,9 +223,6 @@ def load_config(recipe: str | Path | None, overrides: dict[str, Any]) -> TrainCo
         if not isinstance(data, dict):
             raise HiSpecError(f"recipe {recipe} must be a mapping of keys to values")
     if "dataset" in overrides and data.get("features") is not None:  # the command line's data source wins
-        if overrides.get("features") not in (None, "none", "null"):
-            raise HiSpecError(f"both --dataset {overrides['dataset']} and --features {overrides['features']} are "
-                              f"given: train from a data set (the base runs each batch) or from a feature store")
         if "features" not in overrides:
             logger.info("--dataset %s replaces the recipe's features: %s", overrides["dataset"], data["features"])
             data["features"] = None

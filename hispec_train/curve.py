@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hispec_decode.errors import HiSpecError
+from hispec_decode.extras import pyplot
 from hispec_decode.files import save_figure, write_text
 from hispec_decode.tools.cli import add_debug_arg, run_cli
 from hispec_decode.tuning.curve import self_spec_speedup
@@ -65,10 +66,7 @@ def build_curve(run_dir: Path, base: str | None, dtype: str) -> dict[str, Any]:
 
 
 def plot_curve(curve: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("hispec-curve's plot")
 
     layers = sorted(curve["layers"], key=int)
     xs = [int(l) for l in layers]
@@ -122,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"self_spec estimate {e['self_spec_estimate']:.2f}x (k={e['self_spec_drafts']})")
         return 0
 
-    return run_cli("hispec-curve", run, args.debug)
+    return run_cli("hispec-curve", run, args.debug, extra="train")
 
 
 if __name__ == "__main__":

@@ -24,9 +24,10 @@ from typing import Any, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from hispec_decode.errors import HiSpecError
 from hispec_decode.data.prompts import SHAREGPT_NAME, sharegpt_path
 from hispec_decode.data.records import read_json_records
+from hispec_decode.errors import HiSpecError
+from hispec_decode.extras import require
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ def load_records(dataset: str) -> tuple[list[dict[str, Any]], int]:
     if suffix in (".json", ".jsonl", ".parquet", ".txt") or dataset.startswith((".", "/", "~")):
         if not path.is_file():
             raise HiSpecError(f"dataset file {dataset} not found")
+        require("train", "reading a data set")
         import datasets
 
         kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}.get(suffix)
@@ -78,6 +80,7 @@ def load_records(dataset: str) -> tuple[list[dict[str, Any]], int]:
                 return read_json_records(path)
             raise HiSpecError(f"cannot read dataset {dataset}: {exc}") from exc
         return list(ds), 0
+    require("train", "reading a data set")
     import datasets
 
     try:

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from hispec_decode.adapter.config import HiSpecAdapterConfig
 from hispec_decode.errors import HiSpecError
+from hispec_decode.extras import pyplot
 from hispec_decode.files import save_figure, write_text
 from hispec_decode.tools.cli import add_debug_arg, positive_int, run_cli
 
@@ -64,10 +65,7 @@ def evaluate_adapter(heads_dir: str, features: str, base: str | None, seq_len: i
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
     """Acceptance per draft position, one group of bars per adapter and exit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("hispec-eval-heads --plot")
 
     fig, ax = plt.subplots(figsize=(9, 4))
     bars = [(f"{Path(r['heads']).name or r['heads']} L{l} ({r['head_types'][l]})", c["acceptance_per_step"])
@@ -133,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
         return 0
 
-    return run_cli("hispec-eval-heads", run, args.debug)
+    return run_cli("hispec-eval-heads", run, args.debug, extra="train")
 
 
 if __name__ == "__main__":

@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_cli("hispec-export", lambda: _run(args), args.debug)
+    return run_cli("hispec-export", lambda: _run(args), args.debug, extra="train")
 
 
 def _run(args: argparse.Namespace) -> int:

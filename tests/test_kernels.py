@@ -223,6 +223,33 @@ def test_a_lock_that_turns_stale_while_a_load_waits_is_removed(tmp_path):
     assert not lock.exists() and time.time() - t0 < 240
 
 
+def test_the_lock_of_the_load_that_builds_is_its_own(tmp_path, monkeypatch, caplog):
+    """The load that took the build lock (it compiles) neither warns that it waits on another build
+    nor removes its own lock, however long the build takes (before: it said it waited on "another
+    build" and would have removed its own lock after STALE_LOCK_SECONDS)."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setattr(kernels, "STALE_LOCK_SECONDS", 0)
+    lock = tmp_path / "lock"
+    with caplog.at_level("WARNING"), kernels._LockWatch(tmp_path) as watch:
+        baton = cpp_extension.FileBaton(str(lock))  # as torch's load does
+        assert baton.try_acquire() and watch.building
+        os.utime(lock, (time.time() - 60, time.time() - 60))
+        time.sleep(2.5)  # two rounds of the watch
+        assert lock.exists() and not watch.cleared
+        baton.release()
+    assert cpp_extension.FileBaton is not type(baton)  # torch's own class is back
+    assert "waiting on another build" not in caplog.text
+    lock.write_text("")  # a lock somebody else holds is still judged
+    os.utime(lock, (time.time() - 60, time.time() - 60))
+    with kernels._LockWatch(tmp_path) as watch:
+        time.sleep(1.5)
+    assert watch.cleared and not lock.exists()
+
+
 def test_kernels_switched_off_say_so():
     import os
     import subprocess

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import COMMON, LLAMA_LIKE, SERVED_MODEL, LiveServer, save_char_tokenizer
 from hispec_decode import HiSpecModel
+from hispec_decode.errors import HiSpecError
 from hispec_decode.serving import ServerConfig
 from hispec_decode.tools.bench_serve import free_port
 
@@ -485,49 +486,91 @@ def test_full_queue_gets_503(long_base):
 
 
 # -- SIGTERM --------------------------------------------------------------------------------------
-def test_sigterm_under_load_exits_cleanly(long_base):
-    port = free_port()
+def _post(port: int, body: dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", TEXT, json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    status, text = resp.status, resp.read().decode()
+    conn.close()
+    return status, json.loads(text)
+
+
+def test_sigterm_drains_every_request_under_the_load_generator(long_base):
+    """A plain request that cannot finish, then 64 concurrent streamed requests from hispec-bench-serve's
+    client (4 running, 8 waiting, the rest refused: queue limit), SIGTERM in the middle: every request ends
+    in a full answer or the documented 503 (JSON, or a final error event and [DONE] for a stream),
+    none in a 500 or a cut stream; a request sent during the drain gets 503; the server exits 0 within
+    its drain time and logs no traceback."""
+    from hispec_decode.tools.bench_serve import Load, Target
+
+    port, drain = free_port(), 2.0
     proc = subprocess.Popen([sys.executable, "-m", "hispec_decode.tools.serve", "--base", str(long_base), "--heads",
-                             "none", "--port", str(port), "--served-model-name", MODEL, "--shutdown-timeout", "2",
-                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "none", "--port", str(port), "--served-model-name", MODEL, "--shutdown-timeout",
+                             str(drain), "--max-num-seqs", "4", "--max-queue", "8", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while True:
             try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
+                target = Target(f"http://127.0.0.1:{port}")
+                break
+            except (OSError, HiSpecError):
                 assert proc.poll() is None, proc.stdout.read().decode()
                 assert time.monotonic() < deadline, "server did not come up"
                 time.sleep(0.2)
-        results: list[str] = []
+        results: list = [None] * 64
+        plain: list = []
 
-        def stream(i: int) -> None:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-            body = {"model": MODEL, "prompt": f"story {i}", "max_tokens": 6000, "stream": True, "hispec": {"ignore_eos": True}}
-            c.request("POST", TEXT, json.dumps(body), {"Content-Type": "application/json"})
-            try:
-                results.append(c.getresponse().read().decode())
-            except (http.client.HTTPException, OSError) as exc:  # the stream may be cut at the deadline
-                results.append(f"cut: {exc!r}")
+        def client(i: int) -> None:  # half can finish within the drain, half cannot
+            results[i] = target.chat(f"story {i}", Load(max_tokens=6000 if i % 2 else 24, endpoint="completions",
+                                                        ignore_eos=True))
 
-        clients = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-        for t in clients:
+        threads = [threading.Thread(target=lambda: plain.append(_post(port, {
+            "model": MODEL, "prompt": "a long one", "max_tokens": 6000, "hispec": {"ignore_eos": True}})))]
+        threads[0].start()
+        deadline = time.monotonic() + 30
+        while _metric(port, "hispec_num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the plain request did not start"
+            time.sleep(0.05)
+        threads += [threading.Thread(target=client, args=(i,)) for i in range(64)]
+        for t in threads[1:]:
             t.start()
-        time.sleep(1.5)  # the requests are running
+        deadline = time.monotonic() + 30
+        while _metric(port, "hispec_num_requests_running") < 4:
+            assert time.monotonic() < deadline, "the requests did not start"
+            time.sleep(0.05)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        assert time.monotonic() - t0 < 2 + 10
-        for t in clients:
+        time.sleep(0.3)
+        during = _post(port, {"model": MODEL, "prompt": "late", "max_tokens": 2})
+        assert proc.wait(timeout=60) == 0
+        took = time.monotonic() - t0
+        for t in threads:
             t.join(10)
             assert not t.is_alive()
-        assert len(results) == 4
+        log = proc.stdout.read().decode()
     finally:
         if proc.poll() is None:
             proc.kill()
+    assert took < drain + 6, f"exit took {took:.1f}s"
+    assert during[0] == 503 and during[1]["error"]["code"] == "shutting_down"
+    assert plain[0][0] == 503 and plain[0][1]["error"]["code"] == "aborted", plain  # JSON, not a 500
+    full = [r for r in results if r.ok]
+    refused = [r for r in results if r.status == 503]
+    ended = [r for r in results if r.error_type == "server_overloaded" and r.done]
+    assert all(r.done and r.tokens == 24 for r in full)  # a full answer is all of it
+    assert len(full) + len(refused) + len(ended) == 64, [r.error for r in results if not r.ok][:5]
+    assert ended and refused and full  # the load reached every path: drained, aborted at the deadline, refused
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+
+
+def _metric(port: int, name: str) -> float:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
 
 
 # -- SmolLM2 --------------------------------------------------------------------------------------

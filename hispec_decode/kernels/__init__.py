@@ -117,24 +117,41 @@ def _clear_stale_lock(directory: Path) -> bool:
 class _LockWatch:
     """While a load runs (torch waits as long as another build's lock exists), judge the lock every
     second: say once that the load waits on it, and remove it once it is older than
-    :data:`STALE_LOCK_SECONDS` (then the load fails and builds again)."""
+    :data:`STALE_LOCK_SECONDS` (then the load fails and builds again). A lock this load took itself
+    (it is the one building) is left alone: torch's ``FileBaton`` is wrapped for the load to tell."""
 
     def __init__(self, directory: Path) -> None:
-        self.directory, self.cleared = directory, False
+        self.directory, self.cleared, self.building = directory, False, False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hispec-kernel-lock", daemon=True)
+        self._baton = None
 
     def __enter__(self) -> _LockWatch:
+        import torch.utils.cpp_extension as cpp_extension
+
+        watch, self._baton = self, cpp_extension.FileBaton
+
+        class Baton(self._baton):
+            def try_acquire(self) -> bool:
+                watch.building = super().try_acquire() or watch.building
+                return watch.building
+
+        cpp_extension.FileBaton = Baton
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        import torch.utils.cpp_extension as cpp_extension
+
+        cpp_extension.FileBaton = self._baton
         self._done.set()
         self._thread.join()
 
     def _watch(self) -> None:
         said = False
         while not self._done.wait(1.0):
+            if self.building:  # the lock is this load's own
+                continue
             lock = self.directory / "lock"
             if not said and lock.exists():
                 said = True

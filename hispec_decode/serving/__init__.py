@@ -6,6 +6,10 @@
 (``pip install hispec[serve]``).
 """
 
-from .app import ServerConfig, build_app
+from ..extras import require
+
+require("serve", "hispec_decode.serving")
+
+from .app import ServerConfig, build_app  # noqa: E402
 
 __all__ = ["ServerConfig", "build_app"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this trailing window
 PUBLISH_EVERY_S = 0.05  # the metrics snapshot is refreshed this often while requests run
+DRAIN_POLL_S = 0.02  # how often a drain checks whether the requests in flight have ended
+DRAIN_GRACE_S = 5.0  # after the engine stops, how long a drain waits for handlers to send their 503s
 
 
 @dataclass
@@ -135,6 +138,26 @@ class AsyncEngine:
         server exited without its lifespan shutdown)."""
         self.accepting = False
         self._commands.put(("stop", None))
+
+    async def drain(self, timeout: float, grace: float = DRAIN_GRACE_S) -> None:
+        """Stop admitting (new requests get 503), give the requests in flight ``timeout`` seconds to
+        finish, then stop the engine: what still runs ends with the 503 error (a final error event for
+        a stream). Returns once every handler has handed its requests back, or ``grace`` seconds later."""
+        self.accepting = False
+        await self._until_idle(timeout)
+        self.request_stop()  # the engine aborts what still runs; each handler answers 503
+        await self._until_idle(grace)
+
+    async def _until_idle(self, timeout: float) -> None:
+        """Wait until no request is in flight, at most ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    def drain_threadsafe(self, timeout: float) -> concurrent.futures.Future:
+        """:meth:`drain` from another thread (a signal handler); the future is done when it is."""
+        return asyncio.run_coroutine_threadsafe(self.drain(timeout), self._loop)
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Stop accepting, abort what still runs, stop the thread (joined within ``timeout``)."""

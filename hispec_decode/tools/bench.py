@@ -27,12 +27,23 @@ from ..config import SpeculativeConfig
 from ..data.prompts import CHAT_FREE, CHAT_PROMPTS, PROMPT_SETS, encode_prompt, prompt_set
 from ..engine.sequence import BandRequest, Counters, Sequence
 from ..errors import HiSpecError
+from ..extras import pyplot
 from ..files import check_writable, save_figure, write_text
 from ..models.loading import parse_dtype
 from ..outputs import level_acceptance
 from ..sampling_params import SamplingParams
-from .args import (OTHER_HEADS, POLICY_ARGS, SAMPLING_ARGS, ModelVariants, add_config_args, add_model_args,
-                   autoregressive_of, config_overrides, method_variant, variant_for)
+from .args import (
+    OTHER_HEADS,
+    POLICY_ARGS,
+    SAMPLING_ARGS,
+    ModelVariants,
+    add_config_args,
+    add_model_args,
+    autoregressive_of,
+    config_overrides,
+    method_variant,
+    variant_for,
+)
 from .cli import add_debug_arg, positive_int, positive_int_list, run_cli
 from .profile_split import profile_split
 from .roofline import memory_bandwidth, roofline
@@ -300,10 +311,7 @@ def machine_line(results: dict[str, Any]) -> str:
 def plot_methods(results: dict[str, Any], path: Path) -> None:
     """Per dtype: tokens/s of each method (bars, with the ratio to autoregressive) and accepted
     tokens per full-model pass."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("hispec-bench --plot")
 
     dtypes = list(results["dtypes"])
     fig, axes = plt.subplots(len(dtypes), 2, figsize=(12, 3.6 * len(dtypes)), squeeze=False)

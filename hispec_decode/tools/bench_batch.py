@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from ..config import DEFAULT_SCHEDULE, SpeculativeConfig
 from ..engine.sequence import Counters
+from ..extras import pyplot
 from ..outputs import level_acceptance
 from ..sampling_params import SamplingParams
 from .args import autoregressive_of, variant_for
@@ -130,10 +131,7 @@ def format_batched(results: dict[str, Any], dtype: str) -> str:
 
 def plot_batched(results: dict[str, Any], path) -> None:
     """Per dtype: each method's tokens/s against the batch size, and its ratio to autoregressive."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("hispec-bench-batch --plot")
 
     from ..files import save_figure
 

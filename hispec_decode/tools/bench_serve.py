@@ -57,6 +57,9 @@ class Result:
     chunk_gaps: list[float] = field(default_factory=list)  # between chunks, as vllm bench serve's ITL counts
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    status: int | None = None  # the HTTP status (200 for a stream, also one that ended with an error event)
+    error_type: str | None = None  # OpenAI's error type of a stream's final error event ("server_overloaded": 503)
+    done: bool = False  # a stream that ended with ``data: [DONE]``
 
 
 @dataclass(frozen=True)
@@ -110,14 +113,18 @@ class Target:
             conn.request("POST", path, json.dumps(body), self._headers())
             resp = conn.getresponse()
             if resp.status != 200:
-                return Result(False, error=f"HTTP {resp.status}: {resp.read()[:200]!r}")
-            result, last = Result(True), None
+                return Result(False, status=resp.status, error=f"HTTP {resp.status}: {resp.read()[:200]!r}")
+            result, last, done = Result(True, status=200), None, False
             for line in resp:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                if line.startswith(b"data: [DONE]"):
+                    done = True
+                if not line.startswith(b"data: {"):
                     continue
                 chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return Result(False, error=chunk["error"]["message"])
+                if "error" in chunk:  # the server ended the stream with an error event (e.g. 503: shutting down)
+                    error = chunk["error"]
+                    return Result(False, status=200, error=error["message"], error_type=error.get("type"),
+                                  done=b"[DONE]" in resp.read())
                 ids = [t for c in chunk["choices"] for t in c.get("token_ids") or []]
                 if not ids:
                     continue
@@ -129,7 +136,9 @@ class Target:
                     result.chunk_gaps.append(now - last)
                 last = now
                 result.token_ids += ids
-            result.tokens, result.latency = len(result.token_ids), time.perf_counter() - t0
+            result.tokens, result.latency, result.done = len(result.token_ids), time.perf_counter() - t0, done
+            if not done:
+                return Result(False, status=200, tokens=result.tokens, error="the stream ended without [DONE]")
             return result
         except (OSError, http.client.HTTPException) as exc:
             return Result(False, error=repr(exc))

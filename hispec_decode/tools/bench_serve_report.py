@@ -5,14 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..extras import pyplot
 from ..files import save_figure
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("hispec-bench-serve --plot")
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = [("output_tokens_per_second", "output tokens/s", None),

@@ -12,6 +12,7 @@ import sys
 from typing import Callable
 
 from ..errors import HiSpecError
+from ..extras import require
 
 USER_ERRORS = (HiSpecError, OSError, UnicodeError)  # UnicodeError: a binary file given as text
 
@@ -20,9 +21,12 @@ def add_debug_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show the full traceback of errors")
 
 
-def run_cli(prog: str, run: Callable[[], int], debug: bool = False) -> int:
-    """Run a command's body, turning user mistakes into ``prog: error: ...`` and exit status 2."""
+def run_cli(prog: str, run: Callable[[], int], debug: bool = False, extra: str | None = None) -> int:
+    """Run a command's body, turning user mistakes into ``prog: error: ...`` and exit status 2;
+    ``extra``: the package extra the command needs (a missing one is such a mistake)."""
     try:
+        if extra is not None:
+            require(extra, prog)
         return run()
     except USER_ERRORS as exc:
         if debug:

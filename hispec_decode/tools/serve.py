@@ -5,8 +5,9 @@
         -d '{"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
 The method and its policy are fixed for the server; sampling fields come with each request.
-SIGTERM or Ctrl-C stops admitting, lets running requests finish for ``--shutdown-timeout``
-seconds, aborts the rest and exits 0.
+SIGTERM or Ctrl-C drains: new requests get HTTP 503 at once, running requests get
+``--shutdown-timeout`` seconds to finish, the rest end with the documented 503 JSON error (a final
+error event and ``[DONE]`` for a stream); then the server exits 0. A second Ctrl-C exits at once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .args import add_config_args, add_model_args, config_overrides
 from .cli import add_debug_arg, non_negative_float, port, positive_int, run_cli
 
 API_KEY_ENV = "HISPEC_API_KEY"
+HTTP_CLOSE_TIMEOUT_S = 5.0  # after the drain, how long uvicorn waits for connections to close
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,17 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_cli("hispec-serve", lambda: _run(args), args.debug)
+    return run_cli("hispec-serve", lambda: _run(args), args.debug, extra="serve")
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        import uvicorn
+    import uvicorn
 
-        from ..serving import ServerConfig, build_app
-    except ImportError as exc:
-        raise HiSpecError(f"hispec-serve needs the serve extra: pip install 'hispec[serve]' ({exc})") from None
     from ..api import HiSpecModel
+    from ..serving import ServerConfig, build_app
 
     speculative = SpeculativeConfig(**config_overrides(args, field_names(SpeculativeConfig)))
     engine_config = EngineConfig(**config_overrides(args, field_names(EngineConfig)))
@@ -74,15 +73,26 @@ def _run(args: argparse.Namespace) -> int:
     log.info("%s: method %s (draft L%s, verify L%s, window %s), %d KV blocks of %d tokens, up to %s sequences at once",
              name, speculative.method, policy.draft_layer, policy.verify_layer, policy.window,
              engine.cache.manager.num_blocks, engine.cache.manager.block_size, engine_config.max_num_seqs)
+    # uvicorn's own graceful wait only backs up the drain below, which answers every request first
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=args.shutdown_timeout))
+                                           timeout_graceful_shutdown=HTTP_CLOSE_TIMEOUT_S))
     # HTTP on a thread, the engine on this (main) thread: torch decodes 1.5x faster here (AsyncEngine.run)
     http = threading.Thread(target=server.run, name="hispec-http", daemon=True)
+    draining = threading.Event()
 
     def handle_exit(sig: int, frame: object) -> None:
-        if server.should_exit and sig == signal.SIGINT:
-            server.force_exit = True  # a second Ctrl-C: stop waiting for running requests
-        server.should_exit = True  # stop admitting; running requests get --shutdown-timeout seconds
+        if draining.is_set():
+            if sig == signal.SIGINT:  # a second Ctrl-C: stop waiting for running requests
+                server.force_exit = server.should_exit = True
+            return
+        draining.set()
+        if not app.state.engine.wait_ready(0):  # still starting: nothing to drain
+            server.should_exit = True
+            return
+        log.info("draining: new requests get 503, running ones have %ss to finish", args.shutdown_timeout)
+        # new requests get 503 at once; running ones finish or get a 503 after --shutdown-timeout; then HTTP stops
+        done = app.state.engine.drain_threadsafe(args.shutdown_timeout)
+        done.add_done_callback(lambda _: setattr(server, "should_exit", True))
 
     signal.signal(signal.SIGTERM, handle_exit)
     signal.signal(signal.SIGINT, handle_exit)

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ..config import SpeculativeConfig
 from ..decoding.policy import Policy
+from ..extras import pyplot
 from ..files import save_figure, write_text
 from ..sampling_params import SamplingParams
 
@@ -89,10 +90,7 @@ def write_sweep(rows: list[dict[str, Any]], out_dir: Path, tag: str) -> None:
 
 
 def _plot(rows: list[dict[str, Any]], path: Path, tag: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the sweep's plot")
     import numpy as np
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
