@@ -24,7 +24,7 @@ from .validation import as_int, check_bool, check_int, help_text
 
 METHODS = ("autoregressive", "self_spec", "hispec")
 SCHEDULES = ("eager", "gather")
-DEFAULT_SCHEDULE = "gather"  # measured faster at every batch size from 2 to 16 (docs/batching.md)
+DEFAULT_SCHEDULE = "gather"  # the faster schedule at batch sizes 2 to 16 (docs/batching.md)
 
 
 class SpeculativeChecks:

@@ -11,7 +11,7 @@ from .errors import HiSpecError
 
 EXTRAS: dict[str, tuple[str, ...]] = {
     "serve": ("fastapi", "uvicorn", "prometheus_client"),  # hispec-serve, hispec_decode.serving
-    "train": ("datasets", "tensorboard", "matplotlib"),  # hispec_train and its tools
+    "train": ("datasets", "tensorboard", "matplotlib"),  # the training package and its tools
     "plot": ("matplotlib",),  # the benchmarks' --plot
 }
 

@@ -76,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
     # uvicorn's own graceful wait only backs up the drain below, which answers every request first
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=HTTP_CLOSE_TIMEOUT_S))
-    # HTTP on a thread, the engine on this (main) thread: torch decodes 1.5x faster here (AsyncEngine.run)
+    # HTTP on a thread, the engine on this (main) thread: torch decodes faster on the main thread (AsyncEngine.run)
     http = threading.Thread(target=server.run, name="hispec-http", daemon=True)
     draining = threading.Event()
 

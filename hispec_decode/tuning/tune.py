@@ -44,9 +44,8 @@ PAPER = {"window": 4, "num_draft": 2, "draft_threshold": 0.0, "verify_threshold"
 # (tree, nodes, width, depth) confirmed by decoding on the best chain's exits, L_i pruning and off
 TREES = (("static", 4, 4, 1), ("static", 5, 4, 2), ("dynamic", 6, 3, 2), ("dynamic", 6, 3, 3), ("dynamic", 10, 4, 3))
 CONFIRM_BATCHES = (2, 4, 8, 16)  # batch sizes where the chosen policy is decoded beside plain decoding
-# speculation stays on at a batch size only if it beats plain decoding there by this much: two runs of the
-# same batch differ by up to ~5-10% on these machines, and a gain inside that noise was a loss on other
-# prompts (Gemma-3-270M bf16 batch 2: 1.045x on the calibration prompts, 0.86-0.89x in the benchmark)
+# speculation stays on at a batch size only if it beats plain decoding there by this much: a gain inside
+# run-to-run noise on the calibration prompts is not a gain on other prompts (docs/policy.md)
 CONFIRM_MARGIN = 1.05
 
 
