@@ -31,7 +31,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from hispec_decode.data.prompts import (CHAT_FREE, continuation_texts, encode_prompt, evaluation_prompts, humaneval_problems,
-                                        sharegpt_first_turns)
+                                        sharegpt_code_turns, sharegpt_first_turns)
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import check_writable, is_temporary, remove_tree, write_text
 from hispec_decode.tools.cli import add_debug_arg, positive_int, run_cli
@@ -41,7 +41,8 @@ from .selfdistill_shards import Shard, check_shards, next_index, write_shard
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "hispec_selfdistill.json"
-PROMPT_SOURCES = ("sharegpt", "humaneval", "continuation")  # continuation: plain text, no chat template (base models)
+# continuation: plain text, no chat template (base models); sharegpt-code: the ShareGPT first turns about code
+PROMPT_SOURCES = ("sharegpt", "sharegpt-code", "humaneval", "continuation")
 DEFAULT_SOURCES = ("sharegpt", "humaneval")  # chat models' prompts; the committed SmolLM2 data set resumes with them
 RESUME_KEYS = ("base", "dtype", "prompts", "max_new_tokens", "temperature", "top_p", "seed", "max_prompt_tokens")
 
@@ -117,6 +118,8 @@ def collect_prompts(sources: list[str]) -> list[tuple[str, str]]:
     for source in sources:
         if source == "sharegpt":
             texts = list(sharegpt_first_turns(4000))
+        elif source == "sharegpt-code":
+            texts = list(sharegpt_code_turns(4000))
         elif source == "humaneval":
             texts = humaneval_problems()
         elif source == "continuation":
@@ -296,8 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", help="Hub id, local dir or .gguf of the base (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", help="dtype the base decodes in")
     p.add_argument("--prompts", default=",".join(DEFAULT_SOURCES),
-                   help="comma-separated prompt sources: sharegpt, humaneval (chat requests), continuation (plain "
-                        "text, no chat template: for base models), or .txt/.json/.jsonl files")
+                   help="comma-separated prompt sources: sharegpt, sharegpt-code (its requests about code), humaneval "
+                        "(chat requests), continuation (plain text, no chat template: for base models), or "
+                        ".txt/.json/.jsonl files")
     p.add_argument("--max-tokens", type=positive_int, default=2_000_000, help="new tokens to write in all")
     p.add_argument("--max-new-tokens", type=positive_int, default=384, help="token limit per answer")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=1024, help="longer prompts are skipped")

@@ -22,3 +22,29 @@ def test_prompt_sets():
     assert len(plain) == 3 and all(200 < len(t) <= 400 for t in plain)
     with pytest.raises(HiSpecError, match="unknown prompt set"):
         prompt_set("mmlu", 2)
+
+
+def test_code_prompts_hold_out_what_the_benchmarks_draw():
+    """``rewrite`` rewrites only HumanEval problems held out from training; ``sharegpt-code`` keeps
+    ShareGPT's requests about code and, as every training source, none the benchmarks draw."""
+    from hispec_decode.data.prompts import (CODE_REQUEST, _humaneval, evaluation_prompts, humaneval_problems,
+                                            rewrite_problems, sharegpt_code_turns, sharegpt_first_turns)
+    from hispec_train.selfdistill import collect_prompts
+
+    held_out = evaluation_prompts()
+    rewritten = {p["canonical_solution"] for p, q in zip(_humaneval(), humaneval_problems()) if q in held_out}
+    trained = {p["canonical_solution"] for p, q in zip(_humaneval(), humaneval_problems()) if q not in held_out}
+    assert rewritten and trained, "HumanEval splits into held-out and training problems"
+    rewrites = prompt_set("rewrite", 8) + prompt_set("rewrite", 8, seed=1)
+    assert all(any(s in r for s in rewritten) and not any(s in r for s in trained) for r in rewrites)
+    assert len(rewrite_problems()) == len(rewritten)
+    code = prompt_set("code", 6)
+    assert sum(p.startswith("Complete the following") for p in code) == 3 and len(set(code)) == 6
+
+    asks = sharegpt_code_turns()
+    assert 0 < len(asks) < len(sharegpt_first_turns(4000)) and all(CODE_REQUEST.search(t) for t in asks)
+    assert CODE_REQUEST.search("How do I fix this function so it returns a list?")
+    assert not CODE_REQUEST.search("What are the main causes of the French Revolution?")
+    sources = collect_prompts(["sharegpt-code", "humaneval"])
+    assert {s for s, _ in sources} == {"sharegpt-code", "humaneval"}
+    assert not {t for _, t in sources} & held_out

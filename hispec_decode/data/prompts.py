@@ -12,6 +12,7 @@ import gzip
 import importlib.util
 import json
 import random
+import re
 from pathlib import Path
 
 from ..errors import HiSpecError
@@ -37,7 +38,7 @@ CHAT_PROMPTS = [
 ]
 
 
-PROMPT_SETS = ("builtin", "sharegpt", "humaneval", "mixed", "continuation", "rewrite")
+PROMPT_SETS = ("builtin", "sharegpt", "humaneval", "mixed", "continuation", "rewrite", "code")
 CHAT_FREE = ("continuation",)  # prompt sets of plain text, encoded without the chat template
 
 
@@ -78,6 +79,18 @@ def sharegpt_first_turns(max_chars: int = 1500) -> tuple[str, ...]:
 def sharegpt_prompts(n: int, seed: int = 0, max_chars: int = 1500) -> list[str]:
     """First user turns of ``n`` ShareGPT conversations (seeded choice among short ones)."""
     return random.Random(seed).sample(sharegpt_first_turns(max_chars), n)
+
+
+# a first turn about code: a code block, a language or tool by name, or a request to write or fix code
+CODE_REQUEST = re.compile(
+    r"```|\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|sql|bash|html|css|react|node\.?js|django|flask|"
+    r"pandas|numpy|regex|dockerfile|kubernetes)\b|\b(write|fix|debug|implement|refactor)\b[^.?!\n]{0,40}"
+    r"\b(code|function|script|program|class|query)\b", re.I)
+
+
+def sharegpt_code_turns(max_chars: int = 4000) -> tuple[str, ...]:
+    """The first user turns of :func:`sharegpt_first_turns` that ask about code (:data:`CODE_REQUEST`)."""
+    return tuple(t for t in sharegpt_first_turns(max_chars) if CODE_REQUEST.search(t))
 
 
 @functools.lru_cache(maxsize=4)
@@ -121,10 +134,11 @@ REWRITE_REQUESTS = (
 
 
 def rewrite_problems() -> list[str]:
-    """Requests to rewrite, annotate, extend or fix a given function (HumanEval's canonical solutions,
-    file order), where much of the answer copies the prompt."""
+    """Requests to rewrite, annotate, extend or fix a given function (HumanEval's canonical solutions of
+    the problems held out from training, file order), where much of the answer copies the prompt."""
+    held_out = evaluation_prompts()
     return [f"{REWRITE_REQUESTS[i % len(REWRITE_REQUESTS)]}\n\n```python\n{p['prompt']}{p['canonical_solution']}```"
-            for i, p in enumerate(_humaneval())]
+            for i, (p, problem) in enumerate(zip(_humaneval(), humaneval_problems())) if problem in held_out]
 
 
 def humaneval_prompts(n: int, seed: int = 0) -> list[str]:
@@ -151,7 +165,8 @@ def evaluation_prompts() -> set[str]:
 
 def prompt_set(name: str, n: int, seed: int = 0) -> list[str]:
     """``builtin``, ``sharegpt``, ``humaneval``, ``mixed`` (half ShareGPT, half HumanEval),
-    ``continuation`` (plain text) or ``rewrite`` (requests to rewrite or extend a given function);
+    ``continuation`` (plain text), ``rewrite`` (requests to rewrite or extend a given function) or ``code``
+    (half HumanEval, half rewrite);
     ``seed`` picks which (the benchmarks use 0, tuning another, so a policy is not tuned on the
     prompts it is measured on)."""
     if name == "builtin":
@@ -166,4 +181,6 @@ def prompt_set(name: str, n: int, seed: int = 0) -> list[str]:
         return continuation_prompts(n, seed)
     if name == "rewrite":
         return random.Random(seed).sample(rewrite_problems(), n)
+    if name == "code":
+        return humaneval_prompts(n - n // 2, seed) + random.Random(seed).sample(rewrite_problems(), n // 2)
     raise HiSpecError(f"unknown prompt set {name!r}; use {', '.join(PROMPT_SETS)}")
