@@ -5,8 +5,9 @@
 #   nohup scripts/default_heads.sh > runs/default_heads.log 2>&1 &                   (SmolLM2-135M-Instruct)
 #   MODEL=gemma3 nohup scripts/default_heads.sh > runs/default_heads_gemma3.log 2>&1 &  (Gemma-3-270M)
 #   MODEL=smollm2-feature ...                         (SmolLM2's feature_attention heads, docs/feature-heads.md)
+#   MODEL=qwen-coder ...                              (Qwen2.5-Coder-0.5B-Instruct, on code requests)
 # Stages write under runs/ (ignored by git); the data set is kept in data/ and committed.
-# Env: MODEL (smollm2, smollm2-feature or gemma3), TOKENS (answer tokens), STEPS (training steps), OUT (adapter dir).
+# Env: MODEL (smollm2, smollm2-feature, gemma3 or qwen-coder), TOKENS (answer tokens), STEPS (training steps), OUT (adapter dir).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_setup.sh
@@ -25,7 +26,11 @@ case "$MODEL" in
     BASE=(--base gemma3-270m); PROMPTS=continuation; NEW=256; LAYERS=2,4,6,9; RUN=gemma3-270m; TUNE_PROMPTS=continuation
     EXTRA_RUN=; EXTRA_ARGS=()
     TOKENS=${TOKENS:-200000}; STEPS=${STEPS:-240} ;;
-  *) echo "MODEL must be smollm2, smollm2-feature or gemma3" >&2; exit 2 ;;
+  qwen-coder)  # a code chat model: ShareGPT's requests about code and HumanEval (held-out problems left out)
+    BASE=(--base qwen2.5-coder-0.5b); PROMPTS=sharegpt-code,humaneval; NEW=384; LAYERS=2,4,6,9,12
+    RUN=qwen2.5-coder-0.5b; TUNE_PROMPTS=code; EXTRA_RUN=; EXTRA_ARGS=()
+    TOKENS=${TOKENS:-600000}; STEPS=${STEPS:-300} ;;
+  *) echo "MODEL must be smollm2, smollm2-feature, gemma3 or qwen-coder" >&2; exit 2 ;;
 esac
 DATA=data/selfdistill-$MODEL
 STORE=store-$MODEL
