@@ -323,9 +323,10 @@ def test_every_recipe_validates():
     for recipe in recipes:
         cfg = load_config(recipe, {})
         # the layer curve's heads at every second layer; the feature-head recipe trains the draft exit only;
-        # Gemma-3-270M's trains four candidate exits (the tuner pairs them; its layer curve)
+        # Gemma-3-270M's and Qwen2.5-Coder's train several candidate exits (the tuner pairs them; their layer curve)
+        candidates = {"gemma3-270m": 4, "qwen2.5-coder-0.5b": 5}
         expected = (14 if recipe.stem.endswith("-curve") else 1 if recipe.stem.endswith("-feature")
-                    else 4 if recipe.stem == "gemma3-270m" else 2)
+                    else candidates.get(recipe.stem, 2))
         assert len(cfg.heads_layers) == expected, recipe.stem
     override = load_config(ROOT / "recipes" / "smollm2-135m.yaml", {"max_steps": "7", "heads_layers": "2,6"})
     assert override.max_steps == 7 and override.heads_layers == [2, 6]
