@@ -22,6 +22,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="LABEL=EVAL_JSON")
     p.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    p.add_argument("--base", default="SmolLM2-135M", help="the base the heads were trained on (the title)")
     args = p.parse_args()
     import matplotlib
 
@@ -39,7 +40,7 @@ def main() -> None:
             ax.plot(xs, [100 * h[key] for h in history], marker="o", label=f"L{layer}, {label}")
     ax.set_xlabel("training tokens seen (millions)")
     ax.set_ylabel("held-out top-1 agreement with the final layer (%)")
-    ax.set_title("exit heads against training data (SmolLM2-135M, self-distilled)")
+    ax.set_title(f"exit heads against training data ({args.base}, self-distilled)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
