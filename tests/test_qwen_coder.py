@@ -80,5 +80,6 @@ def test_greedy_equals_transformers_generate():
     knobs = Policy(2, 12, num_draft=2, window=4).knobs() | {"batch_aware": False, "guard": False}
     out = shipped.generate(rows, max_new_tokens=NEW, method="hispec", eos_token_id=[], **knobs)
     assert out.sequences == reference
-    # untrained exits agree with the final layer's choice on about 1% of held-out tokens (docs/qwen-coder.md)
-    assert out.stats["acceptance_intermediate"] > 0.2 and out.stats["acceptance_final"] > 0.2, out.stats
+    # untrained exits agree with the final layer's choice on 0.5-1.2% of held-out tokens (docs/qwen-coder.md):
+    # the trained ones must do far better, also on these two short answers
+    assert out.stats["acceptance_final"] > 0.1 and out.stats["acceptance_intermediate"] > 0.05, out.stats
