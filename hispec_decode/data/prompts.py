@@ -150,7 +150,8 @@ EVAL_SEEDS = (0, 1)  # the benchmarks draw prompts with seed 0, hispec-tune with
 EVAL_MAX_PROMPTS = (512, 64)  # ShareGPT, HumanEval prompts per seed
 
 
-def evaluation_prompts() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def evaluation_prompts() -> frozenset[str]:
     """Every ShareGPT, HumanEval and continuation prompt the benchmarks and ``hispec-tune`` may draw (seeds
     :data:`EVAL_SEEDS`, up to :data:`EVAL_MAX_PROMPTS` prompts): training data leaves them out."""
     firsts, problems, plain = sharegpt_first_turns(), humaneval_problems(), continuation_texts()
@@ -160,7 +161,7 @@ def evaluation_prompts() -> set[str]:
         out.update(random.Random(seed).sample(plain, min(EVAL_MAX_PROMPTS[0], len(plain))))
         for n in range(1, EVAL_MAX_PROMPTS[1] + 1):  # sample(k) is not a prefix of sample(k + 1) for every k here
             out.update(random.Random(seed).sample(problems, n))
-    return out
+    return frozenset(out)
 
 
 def prompt_set(name: str, n: int, seed: int = 0) -> list[str]:
