@@ -1,4 +1,4 @@
-"""``hispec-export RUN_DIR --out DIR [--exit-vocab-size K] [--with-exits ADAPTER[:L,...]] [--overwrite] [--push-to-hub REPO_ID] ...``.
+"""``hispec-export RUN_DIR --out DIR [--exit-vocab-size K] [--with-exits ADAPTER[:L,...]] [--vocab-from DIR] [--overwrite] [--push-to-hub REPO_ID] ...``.
 
 Writes the adapter of a training run (config, heads-only safetensors) plus a ``README.md``
 model card with the base, its fingerprint, the exits, the training data and steps, and the
@@ -8,6 +8,11 @@ retraining: the heads are trained on the full vocabulary) and measures the held-
 with that vocabulary for the card. ``--with-exits ADAPTER[:L,...]`` carries exits of another
 adapter for the same base into the export (all of its exits, or layers ``L,...``), with their roles
 and weights unchanged: a run that trained a new draft head ships beside an earlier intermediate one.
+
+The vocabulary level's token ranking (``hispec_vocab.safetensors``: how often the base emitted each
+token) is counted from the run's self-distilled answers, read from its data set or from the data set
+its feature store was built from; ``--vocab-from DIR`` names another self-distilled data set. A run
+trained on other text ships none (a base without one ranks its tokens by a short calibration decode).
 
 ``--out`` is written atomically (a temporary sibling swapped into place). It may be new, empty or
 a previous export; a directory holding anything else is refused unless ``--overwrite`` is given,
@@ -35,10 +40,14 @@ from hispec_decode.files import atomic_directory, check_writable, is_temporary
 from hispec_decode.tools.cli import add_debug_arg, non_negative_int, run_cli
 from hispec_decode.adapter import fingerprint_id, fingerprints_match
 from hispec_decode.adapter.fingerprint import compute_fingerprint
+from hispec_decode.adapter.vocabulary import VOCAB_NAME, save_weights, weights_from_tokens
 
 from .checkpoint import CHECKPOINT_DIR, checkpoint_step
 from .config import TrainConfig, load_config
 from .report import EVAL_NAME
+from .selfdistill import MANIFEST_NAME as SELFDISTILL_MANIFEST
+from .selfdistill_shards import answer_tokens
+from .store import STORE_MANIFEST, StoreManifest
 from .trainer import CONFIG_NAME as TRAIN_CONFIG_NAME
 from .trainer import TrainingData, evaluate, set_exit_vocab
 from .vocab import exit_vocabulary
@@ -147,7 +156,31 @@ def restrict_vocab(adapter: HiSpecAdapter, cfg: TrainConfig, loaded: LoadedBase,
     return {"size": size, "coverage": vocab.coverage, "agreement": rates}
 
 
-EXPORT_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME, MODEL_CARD_NAME, VLLM_BASE_CONFIG_NAME})
+EXPORT_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME, MODEL_CARD_NAME, VLLM_BASE_CONFIG_NAME, VOCAB_NAME})
+
+
+def selfdistilled_source(cfg: TrainConfig) -> Path | None:
+    """The self-distilled data set the run learned from: its ``dataset``, or the one its feature store
+    was built from (None when the run trained on other text)."""
+    candidates = [cfg.dataset]
+    if cfg.features and (Path(cfg.features) / STORE_MANIFEST).is_file():
+        candidates.insert(0, StoreManifest.load(cfg.features).dataset)
+    return next((Path(c) for c in candidates if c and (Path(c) / SELFDISTILL_MANIFEST).is_file()), None)
+
+
+def vocab_weights(dataset: Path, vocab_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    """How often the base emitted each token in the self-distilled ``dataset``, with the file's record of it."""
+    if not (dataset / SELFDISTILL_MANIFEST).is_file():
+        raise HiSpecError(f"--vocab-from {dataset}: not a self-distilled data set ({SELFDISTILL_MANIFEST} missing; "
+                          f"make one with hispec-selfdistill)")
+    answers = answer_tokens(dataset)
+    ids = [t for a in answers if a for t in (min(a), max(a))]
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise HiSpecError(f"--vocab-from {dataset}: its token ids do not fit this base's vocabulary of {vocab_size}; "
+                          f"was it made with another base?")
+    weights = weights_from_tokens(answers, vocab_size)
+    return weights, {"dataset": str(dataset), "source": "token counts of the base's self-distilled answers",
+                     "tokens": int(weights.sum())}
 
 
 def check_out_dir(run_dir: Path, out: Path, overwrite: bool = False) -> None:
@@ -203,10 +236,12 @@ def add_exits(adapter: HiSpecAdapter, other: HiSpecAdapter, layers: list[int] | 
 
 
 def export(run_dir: Path, out: Path, exit_vocab_size: int = 0, overwrite: bool = False,
-           with_exits: tuple[Path, list[int] | None] | None = None) -> HiSpecAdapter:
+           with_exits: tuple[Path, list[int] | None] | None = None, vocab_from: Path | None = None) -> HiSpecAdapter:
     """Write the run's heads (``run_dir/checkpoint``) to ``out`` as an adapter with a model card,
     atomically: ``out`` holds the previous export or the new one, never a mixture. ``with_exits``:
-    (adapter directory, layers or None for all) whose exits are added (:func:`add_exits`)."""
+    (adapter directory, layers or None for all) whose exits are added (:func:`add_exits`);
+    ``vocab_from``: the self-distilled data set that ranks the vocabulary level's tokens (default:
+    the run's own, :func:`selfdistilled_source`)."""
     checkpoint = run_dir / CHECKPOINT_DIR
     checkpoint_step(run_dir)  # clean up (or restore) what a killed save left
     if not (checkpoint / CONFIG_NAME).is_file():
@@ -229,6 +264,8 @@ def export(run_dir: Path, out: Path, exit_vocab_size: int = 0, overwrite: bool =
             loaded = loaded or load_base(cfg.base, "float32")
             decoder = decoder_for(loaded.model, pack_weights=False)
         add_exits(adapter, HiSpecAdapter.from_pretrained(source, decoder=decoder), layers, str(source))
+    vocab_from = vocab_from or selfdistilled_source(cfg)
+    vocab = vocab_weights(vocab_from, adapter.config.vocab_size) if vocab_from is not None else None
     steps = checkpoint_step(run_dir)
     adapter.config.training["steps"] = steps
     base_config = _base_config(cfg.base, loaded)
@@ -236,6 +273,9 @@ def export(run_dir: Path, out: Path, exit_vocab_size: int = 0, overwrite: bool =
         adapter.save_pretrained(tmp)
         (tmp / MODEL_CARD_NAME).write_text(model_card(adapter, report, steps))
         (tmp / VLLM_BASE_CONFIG_NAME).write_text(json.dumps(vllm_base_config(base_config), indent=2, sort_keys=True))
+        if vocab is not None:
+            save_weights(tmp, *vocab)
+    adapter.vocab_path = out / VOCAB_NAME if vocab is not None else None
     return adapter
 
 
@@ -260,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restrict the early exits to the K most frequent training tokens (measured for the card)")
     p.add_argument("--with-exits", metavar="ADAPTER[:L,...]", default=None,
                    help="also ship these exits of another adapter for the same base (all, or layers L,...)")
+    p.add_argument("--vocab-from", type=Path, default=None, metavar="DIR",
+                   help="self-distilled data set whose answers rank the vocabulary level's tokens (default: the run's)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out even when it holds files other than a previous export")
     p.add_argument("--push-to-hub", metavar="REPO_ID", default=None)
@@ -275,8 +317,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    adapter = export(args.run_dir, args.out, args.exit_vocab_size, args.overwrite, _with_exits(args.with_exits))
-    print(f"wrote {args.out}: {CONFIG_NAME}, {WEIGHTS_NAME}, {MODEL_CARD_NAME}")
+    adapter = export(args.run_dir, args.out, args.exit_vocab_size, args.overwrite, _with_exits(args.with_exits),
+                     args.vocab_from)
+    vocab = f", {VOCAB_NAME}" if adapter.vocab_path is not None else ""
+    print(f"wrote {args.out}: {CONFIG_NAME}, {WEIGHTS_NAME}, {MODEL_CARD_NAME}{vocab}")
     if args.push_to_hub:
         url = adapter.push_to_hub(args.push_to_hub, private=args.private, revision=args.revision, local_dir=args.out)
         print(f"uploaded to {url}")

@@ -117,3 +117,18 @@ def write_shard(out: Path, index: int, records: list[dict[str, Any]]) -> Shard:
         table = table.set_column(ids, "input_ids", table.column(ids).cast(pa.list_(pa.int32())))
         pq.write_table(table, tmp, compression="zstd")
     return Shard(path.name, tuple(int(r["job"]) for r in records), sum(int(r["new_tokens"]) for r in records))
+
+
+def answer_tokens(out: Path) -> list[list[int]]:
+    """The base's own answers of every shard in ``out`` (each record's ids after its prompt)."""
+    import pyarrow.parquet as pq
+
+    answers = []
+    for path in shard_paths(out):
+        try:
+            table = pq.read_table(path, columns=["input_ids", "prompt_tokens"])
+        except Exception as exc:  # pyarrow raises many types for damaged files
+            raise HiSpecError(f"shard {path} is damaged ({type(exc).__name__}: {exc})") from exc
+        ids, starts = table.column("input_ids").to_pylist(), table.column("prompt_tokens").to_pylist()
+        answers += [row[int(start):] for row, start in zip(ids, starts)]
+    return answers

@@ -74,5 +74,5 @@ fi
 
 stamp "export to $OUT, tune"
 hispec-export "runs/$RUN" --out "$OUT" --overwrite "${with[@]}"
-hispec-tune "${BASE[@]}" --heads "$OUT" --dtypes bfloat16,float32 --num-prompts 8 --prompts "$TUNE_PROMPTS"
+hispec-tune "${BASE[@]}" --heads "$OUT" --dtypes bfloat16,float32 --num-prompts 8 --prompts "$TUNE_PROMPTS" --write-calibration
 stamp "done: copy $OUT to hispec_decode/default_heads/${BASE[1]:-smollm2-135m} to ship it"

@@ -238,7 +238,7 @@ def test_exit_vocabulary_loss_is_kl_over_the_vocabulary(temperature, store, trai
 @pytest.mark.parametrize("head_type,options", [("deep_context", "{}"), ("decoder_block", '{"attention_only": true}'),
                                                 ("feature_attention", '{"train_steps": 2}')])
 def test_new_head_types_train_from_the_store_export_and_decode_losslessly(head_type, options, store, trainable_base,
-                                                                          tmp_path):
+                                                                          tmp_path, distilled):
     from hispec_train.export import export
 
     windows = "start" if head_type == "feature_attention" else "random"  # attention heads: whole sequences
@@ -255,6 +255,8 @@ def test_new_head_types_train_from_the_store_export_and_decode_losslessly(head_t
         "decoder_block": {"source_layer": 1, "attention_only": True}, "deep_context": {"context_size": 64},
         "feature_attention": {"source_layer": 1, "context_size": 64, "train_steps": 2}}[head_type]
     model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(tmp_path / "heads"))
+    if head_type == "deep_context":  # the vocabulary level's ranking: the base's own self-distilled answers, counted
+        _check_exported_ranking(model, distilled, tmp_path / "heads")
     prompts = [[5, 6, 7, 8], [9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -271,6 +273,30 @@ def test_new_head_types_train_from_the_store_export_and_decode_losslessly(head_t
         curve = result["curve"]["1"]
         assert len(curve["acceptance_per_step"]) == 4 and curve["top4"] >= curve["top1"] > 0
         assert result["rates"]["agreement_step1/L1"] == curve["top1"] and (tmp_path / "cmp.png").is_file()
+
+
+def _check_exported_ranking(model: HiSpecModel, distilled: Path, heads: Path) -> None:
+    from hispec_decode.adapter.vocabulary import VOCAB_NAME, load_weights, ranking
+
+    vocab_size = model.decoder.vocab_size
+    counts = torch.zeros(vocab_size)
+    for r in _records(distilled):
+        for t in r["input_ids"][r["prompt_tokens"]:]:
+            counts[t] += 1
+    assert counts.sum() == json.loads((distilled / "hispec_selfdistill.json").read_text())["new_tokens"]
+    assert model.adapter.vocab_path == heads / VOCAB_NAME
+    assert torch.equal(load_weights(heads / VOCAB_NAME, vocab_size), counts)
+    assert torch.equal(model.token_ranking(), ranking(counts))  # no calibration decode: the shipped ranking
+
+
+def test_export_vocab_from_checks_its_data_set(store, trainable_base, tmp_path, capsys):
+    from hispec_train.export import main as export_main
+
+    run = train(_store_cfg(trainable_base, store, tmp_path / "run", max_steps=2, eval_every=2, save_every=2))
+    assert export_main([str(run), "--out", str(tmp_path / "heads"), "--vocab-from", str(store)]) != 0
+    err = capsys.readouterr().err
+    assert "not a self-distilled data set" in err and "Traceback" not in err
+    assert not (tmp_path / "heads").exists()  # nothing half-written
 
 
 def test_layer_curve_from_a_run_with_heads_at_every_layer(store, trainable_base, tmp_path):
