@@ -9,7 +9,9 @@ stamp "set-up of .venv"
 . "$(dirname "$0")/_setup.sh"
 cd "$ROOT"
 stamp "main suite (tests/)"
-python -m pytest --durations=15 "$@"
+# two workers, each test file in one of them (its module fixtures load a model once); one torch thread
+# each (tests/conftest.py). HISPEC_TEST_WORKERS=0 runs the suite in this one process.
+python -m pytest --durations=15 -n "${HISPEC_TEST_WORKERS:-2}" --dist loadfile "$@"
 # vLLM + HiSpec (tests_vllm/) in vLLM's own virtualenv; HISPEC_SKIP_VLLM=1 leaves them out
 if [ "${HISPEC_SKIP_VLLM:-0}" != 1 ] && [ "$#" -eq 0 ]; then
     stamp "set-up of .venv-vllm"

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
     from hispec_decode.serving import ServerConfig
 
+# under pytest-xdist (scripts/test.sh runs two workers) the workers share the machine's cores
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 VOCAB = 101
 LAYERS = 6
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,

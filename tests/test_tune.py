@@ -15,7 +15,8 @@ from hispec_decode.tuning.costs import measure_costs
 from hispec_decode.tuning.simulate import precision_above, record_trace, replay
 from hispec_decode.decoding.policy import Policy
 from hispec_decode.tuning.candidates import Candidate, batch_thresholds
-from hispec_decode.tuning.tune import CONFIRM_MARGIN, confirm_batches
+from hispec_decode.tuning.tune import (CONFIRM_MARGIN, CONFIRM_MIN_BATCHES, CONFIRM_SEQUENCES, batch_prompts_needed,
+                                       confirm_batches)
 
 PROMPTS = [[5, 9, 2, 6], [1, 2, 3, 4, 5, 6, 7, 8], [40, 41]]
 
@@ -80,17 +81,24 @@ def test_batch_confirmation_keeps_speculation_only_where_it_clearly_wins(monkeyp
     seen = []
 
     def fake_decode(model, prompts, max_new_tokens, method, policy=None):
-        seen.append((len(prompts), method))
+        seen.append((len(prompts), method, tuple(map(tuple, prompts))))
         return 100, (1.0 if method == "autoregressive" else 1.0 / ratios.get(len(prompts), 0.5))
 
     monkeypatch.setattr(sys.modules[confirm_batches.__module__], "_decode", fake_decode)
     chosen = Candidate("hispec", Policy(draft_layer=2, verify_layer=6, window=1, num_draft=1))
-    thresholds, rows = confirm_batches(None, PROMPTS, 8, chosen, {"1": 0.0, "2": 0.2, "4": 0.4, "8": 0.5, "16": 0.6})
+    prompts = [[i, i + 1, i + 2] for i in range(batch_prompts_needed())]
+    thresholds, rows = confirm_batches(None, prompts, 8, chosen, {"1": 0.0, "2": 0.2, "4": 0.4, "8": 0.5, "16": 0.6})
     assert [r["batch_size"] for r in rows if r["speculation"] == "on"] == on
     assert all(thresholds[str(b)] < 1 for b in on) and thresholds["1"] == 0.0
     assert all(thresholds[str(b)] > 1 for b in (2, 4, 8, 16) if b not in on)
-    # every calibration prompt decoded at each measured size, both ways
-    assert {n for n, m in seen if m == "autoregressive"} == {b for b in (2, 4, 8) if b in ratios}
+    # at each measured size, both ways: CONFIRM_SEQUENCES sequences at least, in CONFIRM_MIN_BATCHES batches at
+    # least, each batch of distinct prompts and no batch repeated
+    assert {n for n, m, _ in seen if m == "autoregressive"} == {b for b in (2, 4, 8) if b in ratios}
+    for b in {n for n, _, _ in seen}:
+        plain = [batch for n, m, batch in seen if n == b and m == "autoregressive"]
+        assert sorted(plain) == sorted(batch for n, m, batch in seen if n == b and m != "autoregressive")
+        assert len(plain) >= CONFIRM_MIN_BATCHES and len(plain) * b >= CONFIRM_SEQUENCES
+        assert len(set(plain)) == len(plain) and all(len(set(batch)) == b for batch in plain)
 
 
 def test_precision_above_counts_generated_positions(tuned_setup):

@@ -64,6 +64,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..data.prompts import CHAT_FREE, encode_prompt, prompt_set
     from ..files import write_text
     from ..tuning import tune
+    from ..tuning.tune import batch_prompts_needed
     from ..tuning.curve import choose_layers, read_curve
 
     from ..tuning.calibration import record_calibration, save_calibration
@@ -95,7 +96,9 @@ def _run(args: argparse.Namespace) -> int:
             print(f"wrote the calibration traces into {path}")
         if args.calibration_only:
             return 0
-        results[dtype] = tune(model, prompts, args.max_new_tokens, args.confirm, layers, traces)
+        batch_prompts = [encode_prompt(model.tokenizer, t, chat=args.prompts not in CHAT_FREE)
+                         for t in prompt_set(args.prompts, max(args.num_prompts, batch_prompts_needed()), CALIBRATION_SEED)]
+        results[dtype] = tune(model, prompts, args.max_new_tokens, args.confirm, layers, traces, batch_prompts)
         path = policy_path(model)
         store(path, {"source": "tuned", "machine": machine.describe(model.decoder.device), "dtype": dtype,
                      "policies": {m: results[dtype][m] for m in ("hispec", "self_spec")},

@@ -15,8 +15,10 @@
 5. Batch: from the measured costs, the acceptance a speculated token needs to pay for its rows
    in a batch of B sequences; above what the exits ever reach, the policy stops speculating.
    Then the chosen policy decodes batches of each size of :data:`CONFIRM_BATCHES` beside plain
-   decoding; from the first size where it is not clearly faster (:data:`CONFIRM_MARGIN`), it does
-   not speculate at all.
+   decoding, at least two batches of distinct prompts per size (:func:`batch_prompts_needed`); from
+   the first size where it is not clearly faster (:data:`CONFIRM_MARGIN`), it does not speculate at
+   all. A batch lasts as long as its slowest sequence: one batch of a few prompts that all copy
+   well says little about batches of prompts that do not.
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ CONFIRM_BATCHES = (2, 4, 8, 16)  # batch sizes where the chosen policy is decode
 # speculation stays on at a batch size only if it beats plain decoding there by this much: a gain inside
 # run-to-run noise on the calibration prompts is not a gain on other prompts (docs/policy.md)
 CONFIRM_MARGIN = 1.05
+CONFIRM_SEQUENCES = 16  # sequences decoded at each batch size, in at least CONFIRM_MIN_BATCHES batches
+CONFIRM_MIN_BATCHES = 2
+
+
+def batch_prompts_needed() -> int:
+    """Distinct prompts :func:`confirm_batches` decodes at the biggest batch size."""
+    return max(CONFIRM_SEQUENCES, CONFIRM_MIN_BATCHES * max(CONFIRM_BATCHES))
 
 
 def candidates(layers: list[int], num_layers: int) -> list[Candidate]:
@@ -67,11 +76,13 @@ def candidates(layers: list[int], num_layers: int) -> list[Candidate]:
 
 
 def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confirm: int = 4,
-         layers: list[int] | None = None, traces: list[Trace] | None = None) -> dict[str, Any]:
+         layers: list[int] | None = None, traces: list[Trace] | None = None,
+         batch_prompts: list[list[int]] | None = None) -> dict[str, Any]:
     """The chosen ``hispec`` and ``self_spec`` policies for ``model``'s adapter and dtype, with the
     measurements that chose them (what ``hispec-tune`` stores for this machine).
     ``layers``: the exits to pair (default: every head's; see :func:`.curve.choose_layers`);
-    ``traces``: the calibration along ``prompts`` if already recorded."""
+    ``traces``: the calibration along ``prompts`` if already recorded; ``batch_prompts``: the prompts
+    of the batch confirmation (default: ``prompts``, repeated where too few)."""
     n = model.num_layers
     if layers is None:
         layers = sorted(e.layer for e in model.adapter.config.exits) if model.adapter is not None else \
@@ -121,7 +132,7 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
                    else Candidate("self_spec", best_tree_off.policy))
     cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
     thresholds = batch_thresholds(costs, n, cap, chosen.policy)
-    thresholds, batched = confirm_batches(model, prompts, max_new_tokens, chosen, thresholds)
+    thresholds, batched = confirm_batches(model, batch_prompts or prompts, max_new_tokens, chosen, thresholds)
     rows = [{"config": c.label(), "predicted_tokens_per_second": round(predicted[c.label()]["tokens_per_second"], 2),
              "measured_tokens_per_second": round(confirmed[c.label()], 2)} for c in [*best_hispec, best_self, paper]]
     rows += [{"config": c.label(), "predicted_tokens_per_second": round(tps, 2),
@@ -146,16 +157,18 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
 def confirm_batches(model: Any, prompts: list[list[int]], max_new_tokens: int, chosen: Candidate,
                     thresholds: dict[str, float]) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Decode batches of each size in :data:`CONFIRM_BATCHES` with plain decoding and with ``chosen``
-    under ``thresholds``, in alternating order, enough batches of distinct prompts that every
-    calibration prompt is decoded at least once (a batch of 2 from two easy prompts would say little);
-    from the first size where speculation is not faster by :data:`CONFIRM_MARGIN`, it is switched off
-    (:data:`SPECULATION_OFF`) at that size and every bigger one."""
+    under ``thresholds``, in alternating order: :data:`CONFIRM_SEQUENCES` sequences in at least
+    :data:`CONFIRM_MIN_BATCHES` batches per size, each batch of distinct prompts (drawn in turn from
+    ``prompts``; a batch of 2 from two easy prompts would say little); from the first size where
+    speculation is not faster by :data:`CONFIRM_MARGIN`, it is switched off (:data:`SPECULATION_OFF`)
+    at that size and every bigger one."""
     rows, off = [], False
     for b in CONFIRM_BATCHES:
         if off:
             thresholds[str(b)] = SPECULATION_OFF
             continue
-        batches = [[prompts[(j * b + i) % len(prompts)] for i in range(b)] for j in range(-(-len(prompts) // b))]
+        count = max(CONFIRM_MIN_BATCHES, -(-CONFIRM_SEQUENCES // b))
+        batches = [[prompts[(j * b + i) % len(prompts)] for i in range(b)] for j in range(count)]
         policy = replace(chosen.policy, batch_thresholds=tuple(sorted((int(k), v) for k, v in thresholds.items())))
         times = {"autoregressive": 0.0, "speculative": 0.0}
         tokens = dict.fromkeys(times, 0)
