@@ -125,6 +125,8 @@ def test_tune_cli_stores_the_policy_for_this_machine(trainable_base, tuned_setup
     tuned = record["policies"]
     assert record["source"] == "tuned" and set(tuned) == {"hispec", "self_spec"}
     assert record["measurements"]["confirmed"][-1]["config"] == "autoregressive"
+    # prompt lookup and the exit drafter in one tree, measured beside the rest
+    assert any("in one union tree" in row["config"] for row in record["measurements"]["confirmed"])
     model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
     policy = model.policy(method="hispec")
     assert (policy.window, policy.num_draft, policy.draft_threshold) == (

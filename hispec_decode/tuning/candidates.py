@@ -28,7 +28,7 @@ class Candidate:
 
     def label(self) -> str:
         p = self.policy
-        copies = f", lookup<={p.lookup}" if p.lookup else ""
+        copies = (f", lookup<={p.lookup}" + (" in one union tree" if p.drafting == "union" else "")) if p.lookup else ""
         if p.vocab and self.num_layers and p.draft_layer >= self.num_layers:
             return f"{self.method} L_v drafts (vocab {p.vocab}), k<={p.num_draft} tau_d={p.draft_threshold:g}" + copies
         if p.vocab and self.num_layers:

@@ -122,6 +122,12 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
     derived = Candidate("hispec", Policy(**fields), n)
     labels = {c.label() for c in [*best_hispec, *trees, derived]}
     levels = [c for c, _ in derivation if c.label() not in labels][:confirm]
+    # the exit drafter and prompt lookup in one tree (batch 1): measured, as trees are, on the best such chain
+    copying = next((c for c in [derived, *levels, *(c for c, _ in derivation)] if c.policy.lookup and c.policy.draft_layer < n
+                    and c.policy.drafting != "union"), None)
+    union = [Candidate("hispec", replace(copying.policy, drafting="union"), n)] if copying is not None else []
+    union = [c for c in union if c.label() not in {c.label() for c in levels}]
+    levels += union
     confirmed = confirm_by_decoding(model, prompts, max_new_tokens,
                                     [*best_hispec, *trees, *levels, best_self, paper, derived])
     predicted = dict((c.label(), s) for c, s in scored)
@@ -138,7 +144,8 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
     rows += [{"config": c.label(), "predicted_tokens_per_second": round(tps, 2),
               "measured_tokens_per_second": round(confirmed[c.label()], 2)} for c, tps in derivation if c in levels]
     rows += [{"config": c.label(), "predicted_tokens_per_second": None,  # trees are measured, not replayed
-              "measured_tokens_per_second": round(confirmed[c.label()], 2)} for c in trees]
+              "measured_tokens_per_second": round(confirmed[c.label()], 2)}
+             for c in [*trees, *union]]
     rows.append({"config": "autoregressive", "predicted_tokens_per_second": round(ar_predicted, 2),
                  "measured_tokens_per_second": round(confirmed["autoregressive"], 2)})
     report = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "confirmed": rows, "chosen": chosen.label(),
