@@ -145,6 +145,40 @@ def test_union_tree_holds_both_drafters(small_vocab_model):
     assert seen == {"exit": 0, "lookup": 2}
 
 
+def test_lookup_copies_in_a_batch_only_what_pays_there(small_vocab_model):
+    """Batch 1 (floor 0) copies the policy's budget; in a batch the copy stops at the first token whose
+    chance q^d (q: the sequence's smoothed record of checked copies) is below the batch's floor, so a
+    sequence whose copies keep failing stops copying there, and one whose copies hold copies more."""
+    import dataclasses
+
+    from hispec_decode.cache.block_manager import BlockManager
+    from hispec_decode.engine.drafters.base import Draft
+    from hispec_decode.engine.drafters.lookup import PRIOR_ACCEPTED, PRIOR_REJECTED, PromptLookup
+    from hispec_decode.engine.sequence import Sequence
+
+    path, _ = small_vocab_model
+    model = HiSpecModel.from_pretrained(str(path))
+    policy = model.policy(method="hispec", draft_layer=1, verify_layer=2, num_draft=2, lookup=8)
+    policy = dataclasses.replace(policy, batch_thresholds=((1, 0.0), (8, 0.7)))
+    prompt = list(range(1, 11)) * 2 + [1]  # what followed the earlier [.., 1]: 9 tokens and more
+    seq = Sequence(0, prompt, BlockManager(64, 16), (1, 2), policy=policy, limit=len(prompt) + 16)
+    drafter = PromptLookup()
+    assert drafter.paying(seq) == 8 and len(drafter.tokens(seq, prompt, 16)) == 8  # batch 1
+    seq.batch_size = 8
+    q = PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED)
+    want = next(d for d in range(9) if q ** (d + 1) < 0.7)
+    assert drafter.paying(seq) == want and len(drafter.tokens(seq, prompt, 16)) == want
+    for _ in range(3):  # copies rejected at their first token
+        drafter.feedback(seq, Draft(drafter, 4), 0)
+    assert drafter.paying(seq) == 0 and drafter.tokens(seq, prompt, 16) == []
+    for _ in range(20):  # then copies accepted whole
+        drafter.feedback(seq, Draft(drafter, 4), 4)
+    assert seq.copies_accepted == 80 and seq.copies_rejected == 3
+    assert drafter.paying(seq) > want and drafter.paying(seq) <= 8
+    seq.batch_size = 1
+    assert drafter.paying(seq) == 8
+
+
 def test_a_new_drafter_is_one_class(tiny_models, hispec_models):
     """The drafter interface: a class defined anywhere registers itself and drafts (here: the last token
     again, as point masses, before the draft exit); output stays transformers' token for token."""

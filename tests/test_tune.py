@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from hispec_decode import HiSpecAdapter, HiSpecModel
@@ -12,9 +13,9 @@ from hispec_decode.adapter.config import CALIBRATION_NAME
 from hispec_decode.adapter import ExitSpec
 from hispec_decode.tools import tune as tune_cli
 from hispec_decode.tuning.costs import measure_costs
-from hispec_decode.tuning.simulate import precision_above, record_trace, replay
+from hispec_decode.tuning.simulate import Trace, precision_above, record_trace, replay
 from hispec_decode.decoding.policy import Policy
-from hispec_decode.tuning.candidates import Candidate, batch_thresholds
+from hispec_decode.tuning.candidates import Candidate, _best_gate, batch_thresholds
 from hispec_decode.tuning.tune import (CONFIRM_MARGIN, CONFIRM_MIN_BATCHES, CONFIRM_SEQUENCES, batch_prompts_needed,
                                        confirm_batches)
 
@@ -72,6 +73,35 @@ def test_batch_thresholds_rise_with_the_batch(tuned_setup):
     assert values == sorted(values), "a bigger batch never makes speculation cheaper"
     deeper = batch_thresholds(costs, model.num_layers, cap=0.9, policy=Policy(4, model.num_layers, 1, 1))
     assert all(deeper[b] >= thresholds[b] for b in thresholds), "a costlier draft pass needs more acceptance"
+
+
+def test_batch_gate_pays_for_the_draft_pass_of_every_sequence():
+    """The gate maximizes f(t) * (a(t) - m) - d: each drafted token costs m and brings its acceptance,
+    and every sequence pays d for its draft pass whether its draft passes the gate or not."""
+    conf = np.array([0.95, 0.9, 0.8, 0.5, 0.3])
+    hit = np.array([1, 1, 1, 0, 0])
+    assert _best_gate(conf, hit, m=0.5, d=0.1) == 0.8  # the three sure drafts: gain 1.5 / 5 - 0.1
+    assert _best_gate(conf, hit, m=0.5, d=0.35) == 1.5  # they bring 0.3 per step: less than the draft pass
+    assert _best_gate(conf, hit, m=1.1, d=0.0) == 1.5  # a row costs more than a whole token brings
+
+
+def test_batch_thresholds_from_traces_stop_drafts_that_never_pay(tuned_setup):
+    """With calibration traces, an exit whose drafts are all wrong speculates in no batch, and one whose
+    drafts are all right and sure speculates at least where the rule without traces lets it."""
+    model, _ = tuned_setup
+    costs = measure_costs(model.runner, [2], reps=1)
+    policy = Policy(2, model.num_layers, 1, 1)
+    tokens = list(range(10, 74))
+
+    def trace(right: bool) -> Trace:
+        top = np.array([[t if right else t + 1] for t in tokens[1:]] + [[0]])
+        return Trace(tokens, 8, len(tokens), top={2: top}, conf={2: np.full((len(tokens), 1), 0.97, np.float32)})
+
+    wrong = batch_thresholds(costs, model.num_layers, 1.0, policy, [trace(False)])
+    assert wrong["1"] == 0.0 and all(v == 1.5 for b, v in wrong.items() if b != "1")
+    right = batch_thresholds(costs, model.num_layers, 1.0, policy, [trace(True)])
+    plain_rule = batch_thresholds(costs, model.num_layers, 1.0, policy)
+    assert all(right[b] == 0.97 for b in plain_rule if plain_rule[b] <= 0.97 and b != "1"), (right, plain_rule)
 
 
 @pytest.mark.parametrize("ratios, on", [({2: 1.10, 4: CONFIRM_MARGIN + 0.01, 8: 1.02}, [2, 4]), ({2: 1.03}, []), ({2: 0.9}, [])])

@@ -147,6 +147,8 @@ class Sequence:
         self.batch_size = 1  # sequences running beside it (incl. itself) when it last received logits
         self.speculate = True  # rounds may speculate (the engine's guard turns it off where speculation loses)
         self.copy_budget = 0  # prompt lookup's drafts per round at most (0: the policy's; see drafters/lookup.py)
+        self.copies_accepted = 0  # prompt lookup's record: copied tokens accepted, copies cut by a rejection
+        self.copies_rejected = 0
 
     # -- queries ----------------------------------------------------------------------------
     def processed(self, band: int) -> int:

@@ -49,7 +49,7 @@ BASE_TRACES, BASE_TOKENS = 4, 96  # a base without an adapter: prompts and token
 VOCAB_SIZES = (4096, 8192, 16384)  # the vocabulary level's sizes tried (those below half the vocabulary)
 VOCAB_ALONE = ((1, 0.0), (2, 0.0), (3, 0.0), (2, 0.5), (3, 0.5), (4, 0.5), (6, 0.7))  # (k, tau_d), L_v drafting
 VOCAB_BELOW = tuple(itertools.product(((1, 0.0), (2, 0.4)), (2, 4, 6)))  # ((k_d, tau_d), N_v), L_d -> L_v
-DERIVATION = 3  # a derived record of another version is derived again
+DERIVATION = 4  # a derived record of another version is derived again
 OVERHEAD_TOKENS = 48  # tokens decoded to measure what a real request adds beyond its passes
 
 
@@ -164,9 +164,9 @@ def derive(model: Any, traces: list[Trace], costs: CostModel,
     best_self = next(c.policy for c, _ in scored if c.policy.verify_layer >= n and c.policy.exits("self_spec", n)
                      == c.policy.exits("hispec", n))
     cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
-    hispec = policy_dict(best) | {"batch_thresholds": batch_thresholds(costs, n, cap, best)}
+    hispec = policy_dict(best) | {"batch_thresholds": batch_thresholds(costs, n, cap, best, traces)}
     self_spec = {k: v for k, v in policy_dict(best_self).items() if k not in ("verify_layer", "window", "verify_threshold")}
-    self_spec["batch_thresholds"] = batch_thresholds(costs, n, cap, best_self)
+    self_spec["batch_thresholds"] = batch_thresholds(costs, n, cap, best_self, traces)
     predicted = [{"config": c.label(), "tokens_per_second": round(tps, 2)} for c, tps in scored[:8]]
     return {"hispec": hispec, "self_spec": self_spec, "predicted": predicted,
             "predicted_autoregressive": round(plain, 2)}

@@ -137,7 +137,7 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
     chosen_self = (best_self if best_tree_off is None or confirmed[best_self.label()] >= confirmed[best_tree_off.label()]
                    else Candidate("self_spec", best_tree_off.policy))
     cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
-    thresholds = batch_thresholds(costs, n, cap, chosen.policy)
+    thresholds = batch_thresholds(costs, n, cap, chosen.policy, traces)
     thresholds, batched = confirm_batches(model, batch_prompts or prompts, max_new_tokens, chosen, thresholds)
     rows = [{"config": c.label(), "predicted_tokens_per_second": round(predicted[c.label()]["tokens_per_second"], 2),
              "measured_tokens_per_second": round(confirmed[c.label()], 2)} for c in [*best_hispec, best_self, paper]]

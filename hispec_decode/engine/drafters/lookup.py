@@ -3,13 +3,21 @@ tokens (:func:`hispec_decode.decoding.lookup.lookup`), as point-mass proposals, 
 model pass. On while ``policy.lookup`` > 0 and a drafted row pays for itself at the batch size.
 
 Its budget adapts: ``policy.lookup`` tokens at first, then twice what the last copy had accepted (at
-least 2), since every copied token is a row of the check's pass whether it is accepted or not."""
+least 2), since every copied token is a row of the check's pass whether it is accepted or not. In a
+batch, where a row costs a share of a step (``policy.floor``: the acceptance a speculated token needs
+there), it copies only the tokens that pay: under the sequence's own record of copies (each copied
+token accepted with a chance q, Laplace-smoothed toward :data:`PRIOR_ACCEPTED` /
+(:data:`PRIOR_ACCEPTED` + :data:`PRIOR_REJECTED`)), the d-th token is accepted with chance q^d, and
+copying stops at the first d with q^d below the floor."""
 
 from __future__ import annotations
 
 from ...decoding.lookup import lookup
 from ..sequence import Sequence
 from .base import Draft, Drafter, DraftLoop
+
+PRIOR_ACCEPTED = 3  # pseudo-counts of a sequence's record of copies before its first copy is checked
+PRIOR_REJECTED = 1
 
 
 class PromptLookup(Drafter):
@@ -21,7 +29,7 @@ class PromptLookup(Drafter):
         return seq.policy.copies(seq.batch_size)
 
     def tokens(self, seq: Sequence, context: list[int], count: int) -> list[int]:
-        budget = min(seq.policy.lookup, seq.copy_budget or seq.policy.lookup, count)
+        budget = min(seq.policy.lookup, seq.copy_budget or seq.policy.lookup, count, self.paying(seq))
         out = []
         for token in lookup(context, budget):
             out.append(token)
@@ -36,5 +44,20 @@ class PromptLookup(Drafter):
         return Draft(self, len(copied)) if copied else None
         yield  # unreachable: makes this a generator (a copy needs no pass)
 
+    def paying(self, seq: Sequence) -> int:
+        """How many leading copied tokens pay for their rows at the sequence's batch size."""
+        floor = seq.policy.floor(seq.batch_size)
+        if floor <= 0:
+            return seq.policy.lookup
+        q = (seq.copies_accepted + PRIOR_ACCEPTED) / (
+            seq.copies_accepted + seq.copies_rejected + PRIOR_ACCEPTED + PRIOR_REJECTED)
+        n, chance = 0, q
+        while n < seq.policy.lookup and chance >= floor:
+            n, chance = n + 1, chance * q
+        return n
+
     def feedback(self, seq: Sequence, draft: Draft, accepted: int) -> None:
+        proposed = len(draft.nodes[self]) if draft.nodes else draft.count
+        seq.copies_accepted += accepted
+        seq.copies_rejected += accepted < proposed  # each copy ends at its first rejected token
         seq.copy_budget = max(2, 2 * accepted)
