@@ -29,7 +29,7 @@ case "$MODEL" in
   qwen-coder)  # a code chat model: ShareGPT's requests about code and HumanEval (held-out problems left out)
     BASE=(--base qwen2.5-coder-0.5b); PROMPTS=sharegpt-code,humaneval; NEW=384; LAYERS=2,4,6,9,12
     RUN=qwen2.5-coder-0.5b; TUNE_PROMPTS=code; EXTRA_RUN=; EXTRA_ARGS=()
-    TOKENS=${TOKENS:-600000}; STEPS=${STEPS:-300} ;;
+    TOKENS=${TOKENS:-600000}; STEPS=${STEPS:-500} ;;
   *) echo "MODEL must be smollm2, smollm2-feature, gemma3 or qwen-coder" >&2; exit 2 ;;
 esac
 DATA=data/selfdistill-$MODEL
