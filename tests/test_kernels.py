@@ -145,7 +145,7 @@ def test_paged_attention_rows_are_independent_of_the_call():
 
 @pytest.mark.skipif(not kernels.has_linear_bf16(), reason="no AVX-512 BF16 here")
 @pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 21])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 12, 16, 21])  # every tile shape of both loops
 @pytest.mark.parametrize("shape", [(960, 576), (40, 30), (8, 3)])  # K not a multiple of 32, N not of 16
 def test_linear_bf16_matches_a_float32_product_and_is_row_independent(amx, rows, shape):
     if amx and not kernels.has_amx():

@@ -9,10 +9,11 @@
 //
 // The same layout feeds AMX (linear_amx below): a B tile is 16 consecutive 64-byte vectors of a
 // column block (32 inputs x 16 columns), an A tile 16 rows x 32 inputs of x. One tile product does
-// 16 x 16 x 32 multiply-adds, so every call up to 16 rows costs what reading the weight costs
-// (measured on a chain of SmolLM2's 120 per-layer weights: 6.0 ms at 1 row, 6.7 at 16, against
-// 7.6 and 25 for the AVX-512 loop, which is compute-bound from 8 rows on). Where the CPU has AMX
-// it serves every call; the AVX-512 loop serves CPUs with AVX-512 BF16 and no AMX.
+// 16 x 16 x 32 multiply-adds, so every call up to 16 rows costs about what reading the weight
+// costs. The AVX-512 loop does one multiply-add vector per (row, column block, input pair), so
+// from a few rows on it is bound by arithmetic, not memory; it keeps as many rows as fit the
+// registers in one tile so the weight is still read once. Where the CPU has AMX it serves every
+// call; the AVX-512 loop serves CPUs with AVX-512 BF16 and no AMX.
 //
 // Reduction order: in both kernels output (m, n) accumulates over k in increasing order (pairs in
 // one lane; 32-input tile steps) into its own accumulator, whatever M is, whichever other rows
@@ -48,22 +49,26 @@ namespace {
 
 namespace {
 
-constexpr int64_t kCols = 16;  // output columns per packed block (one fp32 vector)
+constexpr int64_t kCols = 16;     // output columns per packed block (one fp32 vector)
+constexpr int64_t kPrefetch = 8;  // input pairs ahead that a tile of 5 or more rows prefetches its weight
 
-template <int MB, int NB>
-inline void tile(const uint32_t* x, int64_t x_stride, const uint16_t* w, int64_t K2, const float* bias,
+// rows x[0..MB), column blocks n0/16 .. n0/16 + NB; w points at block n0/16. A tile holds MB x NB
+// accumulators, NB weight vectors and one broadcast input in the 32 vector registers.
+template <int MB, int NB, bool PREFETCH>
+inline void tile(const uint32_t* x, int64_t K2, const uint16_t* w, int64_t block, const float* bias,
                  uint16_t* y, int64_t y_stride, int64_t n0) {
-  // rows x[0..MB), column blocks n0/16 .. n0/16 + NB; w points at block n0/16
+  static_assert(MB * NB + NB + 1 <= 32, "a tile must fit the vector registers");
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t block = K2 * 2 * kCols;  // uint16 elements per packed column block
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     __m512bh wv[NB];
-    for (int j = 0; j < NB; ++j)
+    for (int j = 0; j < NB; ++j) {
+      if (PREFETCH && k2 + kPrefetch < K2) _mm_prefetch(reinterpret_cast<const char*>(w + j * block + (k2 + kPrefetch) * 2 * kCols), _MM_HINT_T0);
       wv[j] = (__m512bh)_mm512_loadu_si512(w + j * block + k2 * 2 * kCols);
+    }
     for (int i = 0; i < MB; ++i) {
-      __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[i * x_stride + k2]);
+      __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[i * K2 + k2]);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
   }
@@ -76,17 +81,40 @@ inline void tile(const uint32_t* x, int64_t x_stride, const uint16_t* w, int64_t
   }
 }
 
-template <int NB>
-inline void rows_tile(int64_t m0, int64_t mb, const uint32_t* x, int64_t K2, const uint16_t* w, const float* bias,
-                      uint16_t* y, int64_t Np, int64_t n0) {
-  const uint32_t* xr = x + m0 * K2;
-  uint16_t* yr = y + m0 * Np;
-  switch (mb) {
-    case 4: tile<4, NB>(xr, K2, w, K2, bias, yr, Np, n0); break;
-    case 3: tile<3, NB>(xr, K2, w, K2, bias, yr, Np, n0); break;
-    case 2: tile<2, NB>(xr, K2, w, K2, bias, yr, Np, n0); break;
-    default: tile<1, NB>(xr, K2, w, K2, bias, yr, Np, n0); break;
+// One group of NB column blocks for every row, in `tiles` row tiles of near-equal size (at most
+// RMAX rows). The first tile reads the group's weight from memory (prefetching where its rows give
+// the loads time), the others find it in cache.
+template <int NB, int RMAX>
+inline void column_group(const uint32_t* X, int64_t M, int64_t tiles, int64_t K2, const uint16_t* w, int64_t block,
+                         const float* bias, uint16_t* Y, int64_t Np, int64_t n0) {
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t m0 = M * t / tiles, mb = M * (t + 1) / tiles - m0;
+    const uint32_t* xr = X + m0 * K2;
+    uint16_t* yr = Y + m0 * Np;
+    switch (mb) {
+#define HISPEC_TILE(n)                                                                    \
+  case n:                                                                                 \
+    if constexpr (n <= RMAX) {                                                            \
+      if (n >= 5 && t == 0) tile<n, NB, true>(xr, K2, w, block, bias, yr, Np, n0);        \
+      else tile<n, NB, false>(xr, K2, w, block, bias, yr, Np, n0);                        \
+    }                                                                                     \
+    break;
+      HISPEC_TILE(1) HISPEC_TILE(2) HISPEC_TILE(3) HISPEC_TILE(4) HISPEC_TILE(5) HISPEC_TILE(6)
+      HISPEC_TILE(7) HISPEC_TILE(8) HISPEC_TILE(9) HISPEC_TILE(10) HISPEC_TILE(11) HISPEC_TILE(12)
+#undef HISPEC_TILE
+      default: break;
+    }
   }
+}
+
+// The blocks [begin, end) of a thread: groups of NB blocks, then single blocks at the end.
+template <int NB, int RMAX>
+inline void columns(const uint32_t* X, int64_t M, int64_t K2, const uint16_t* W, int64_t block, const float* bias,
+                    uint16_t* Y, int64_t Np, int64_t begin, int64_t end) {
+  const int64_t tiles = (M + RMAX - 1) / RMAX;
+  int64_t b = begin;
+  for (; b + NB <= end; b += NB) column_group<NB, RMAX>(X, M, tiles, K2, W + b * block, block, bias, Y, Np, b * kCols);
+  for (; b < end; ++b) column_group<1, RMAX>(X, M, tiles, K2, W + b * block, block, bias, Y, Np, b * kCols);
 }
 
 }  // namespace
@@ -96,6 +124,10 @@ std::string linear_bf16_kind() { return "avx512_bf16"; }
 
 // x: [M, 2*K2] bf16 contiguous (K padded to even by the caller); wp: [Np/16, K2, 16, 2] bf16;
 // bias: fp32 [Np] or empty. Returns [M, Np] bf16 (Np = N rounded up to 16).
+//
+// Up to 12 rows are one tile, so the weight is read once: 4 column blocks at a time up to 4 rows,
+// 3 up to 8, 2 up to 12 (more rows leave registers for fewer columns). More rows are cut into
+// tiles of at most 8 that share each group's weight through the cache.
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias) {
   check_operands(x, wp, "linear_bf16");
   const int64_t M = x.size(0), blocks = wp.size(0), K2 = wp.size(1), Np = blocks * kCols;
@@ -107,14 +139,10 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& wp, const
   const int64_t block = K2 * 2 * kCols;
   // threads take contiguous ranges of column blocks (each streams its own part of the weight)
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    constexpr int NB = 4;
-    int64_t b = begin;
-    for (; b + NB <= end; b += NB)
-      for (int64_t m0 = 0; m0 < M; m0 += 4)
-        rows_tile<NB>(m0, std::min<int64_t>(4, M - m0), X, K2, W + b * block, B, Y, Np, b * kCols);
-    for (; b < end; ++b)
-      for (int64_t m0 = 0; m0 < M; m0 += 4)
-        rows_tile<1>(m0, std::min<int64_t>(4, M - m0), X, K2, W + b * block, B, Y, Np, b * kCols);
+    if (M <= 4) columns<4, 4>(X, M, K2, W, block, B, Y, Np, begin, end);
+    else if (M <= 8) columns<3, 8>(X, M, K2, W, block, B, Y, Np, begin, end);
+    else if (M <= 12) columns<2, 12>(X, M, K2, W, block, B, Y, Np, begin, end);
+    else columns<3, 8>(X, M, K2, W, block, B, Y, Np, begin, end);
   });
   return y;
 }
