@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from hispec_decode import kernels
 from hispec_decode.kernels import native
-from hispec_decode.layers.linear import pack_vnni, vnni_linear
+from hispec_decode.layers.linear import pack_vnni, vnni_group, vnni_linear
 
 K = kernels.ops()
 pytestmark = pytest.mark.skipif(K is None, reason="the compiled kernels are not available here")
@@ -155,7 +155,7 @@ def test_linear_bf16_matches_a_float32_product_and_is_row_independent(amx, rows,
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-    packed = pack_vnni(w)
+    packed = pack_vnni(w, vnni_group(amx))
     got = vnni_linear(x, packed, bias, n, amx=amx)
     want = (x.float() @ w.float().t() + bias.float()).to(torch.bfloat16)
     assert got.shape == (rows, n)
@@ -163,6 +163,27 @@ def test_linear_bf16_matches_a_float32_product_and_is_row_independent(amx, rows,
     alone = torch.cat([vnni_linear(x[i : i + 1], packed, bias, n, amx=amx) for i in range(rows)])
     assert torch.equal(alone, got)  # a row's bits never depend on the other rows of the call
     assert torch.allclose(got.float(), F.linear(x, w, bias).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not kernels.has_linear_bf16(), reason="no compiled bf16 linear here")
+def test_linear_bf16_refuses_a_weight_of_another_layout_or_a_short_bias():
+    k = kernels.ops()
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    other = 2 if vnni_group(False) == 1 else 1
+    with pytest.raises(RuntimeError, match="column block"):
+        k.linear_bf16(x, pack_vnni(w, other), torch.empty(0))
+    with pytest.raises(RuntimeError, match="one value per packed column"):
+        k.linear_bf16(x, pack_vnni(w, vnni_group(False)), torch.zeros(63))
+
+
+def test_pack_vnni_groups_hold_the_same_vectors():
+    w = torch.randn(40, 30).to(torch.bfloat16)  # N, K not multiples of 32
+    one, two = pack_vnni(w, 1), pack_vnni(w, 2)
+    assert one.shape == (3, 16, 16, 2) and two.shape == (2, 16, 2, 16, 2)
+    for block in range(3):  # block b of group 1 is slot b % 2 of group b // 2 in group 2
+        assert torch.equal(one[block], two[block // 2, :, block % 2])
+    assert torch.equal(one[:, :15].permute(0, 2, 1, 3).reshape(48, 30)[:40], w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

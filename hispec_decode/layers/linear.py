@@ -27,12 +27,36 @@ from torch import nn
 
 from .. import kernels
 
-def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N/16), Kp/2, 16, 2] (K zero-padded to Kp, a multiple of 32, as AMX tiles
-    need): per 16 output columns and input pair one 64-byte vector."""
+_NO_BIAS = torch.empty(0)
+
+
+def pack_vnni(weight: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """[N, K] -> the layout of the kernel that reads it (K zero-padded to Kp, a multiple of 32, as
+    AMX tiles need; N to a multiple of 16 * group): per 16 output columns and input pair one 64-byte
+    vector, ``group`` column blocks side by side per input pair. ``group`` 1: [N/16, Kp/2, 16, 2]
+    (AMX, AVX2); 2: [N/32, Kp/2, 2, 16, 2] (the AVX-512 loop; :func:`vnni_group`)."""
     n, k = weight.shape
-    w = F.pad(weight, (0, (-k) % 32, 0, (-n) % 16))
-    return w.view(w.shape[0] // 16, 16, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+    w = F.pad(weight, (0, (-k) % 32, 0, (-n) % (16 * group)))
+    blocks = w.view(w.shape[0] // (16 * group), group, 16, w.shape[1] // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
+    return blocks.squeeze(2) if group == 1 else blocks
+
+
+def vnni_group(amx: bool) -> int:
+    """The column blocks per input pair of the weight layout that the kernel serving calls reads."""
+    return 1 if amx else kernels.ops().linear_bf16_group()
+
+
+def packed_columns(packed: torch.Tensor) -> int:
+    """Output columns of a :func:`pack_vnni` weight, padding included."""
+    return packed.shape[0] * 16 * (packed.shape[2] if packed.dim() == 5 else 1)
+
+
+def vnni_bias(bias: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor:
+    """The kernels' bias: float32, one value per packed column (zeros past the real ones); empty for none."""
+    if bias is None:
+        return _NO_BIAS
+    b = bias.float()
+    return F.pad(b, (0, packed_columns(packed) - b.shape[0])) if b.shape[0] != packed_columns(packed) else b
 
 
 def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
@@ -44,11 +68,9 @@ def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     if flat.shape[1] != 2 * packed.shape[1]:
         flat = F.pad(flat, (0, 2 * packed.shape[1] - flat.shape[1]))
     k = kernels.ops()
-    y = (k.linear_amx if amx else k.linear_bf16)(flat.contiguous(), packed, _NO_BIAS if bias is None else bias.float())
+    y = (k.linear_amx if amx else k.linear_bf16)(flat.contiguous(), packed, vnni_bias(bias, packed))
     return (y if y.shape[1] == n else y[:, :n]).reshape(*lead, n)
 
-
-_NO_BIAS = torch.empty(0)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -95,9 +117,9 @@ class FusedLinear:
         self.out_features = sum(self.sizes)
         self.amx = False  # every call on AMX tiles over the VNNI copy
         if self.packed and weights[0].dtype == torch.bfloat16 and kernels.has_linear_bf16():
-            self.vnni = pack_vnni(torch.cat(weights) if len(weights) > 1 else weights[0])
-            self.vnni_bias = torch.cat(biases).float() if has_bias else None
             self.amx = kernels.has_amx()
+            self.vnni = pack_vnni(torch.cat(weights) if len(weights) > 1 else weights[0], vnni_group(self.amx))
+            self.vnni_bias = vnni_bias(torch.cat(biases), self.vnni) if has_bias else None
             self.weight, self.bias = None, None
         elif self.packed:
             weight = torch.cat(weights) if len(weights) > 1 else weights[0]

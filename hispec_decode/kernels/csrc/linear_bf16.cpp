@@ -1,21 +1,25 @@
 // y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for bf16 x and w, fp32 accumulation, bf16 y.
 //
-// The weight is packed once into the "VNNI" layout [N/16, K/2, 16, 2]: for every 16 output
-// columns and every pair of inputs (k, k+1), one 64-byte vector. One AVX-512 BF16 instruction
-// (vdpbf16ps) then adds x[k] w[n, k] + x[k+1] w[n, k+1] to 16 outputs at once, so a step streams
-// the weight once, front to back, with no horizontal sums. The weight is the only large operand
-// of a decoding step: at one row this is a memory-bound scan, at 16 rows each vector loaded is
-// used for every row.
+// The weight is packed once into a "VNNI" layout: for every 16 output columns (a column block) and
+// every pair of inputs (k, k+1), one 64-byte vector. One AVX-512 BF16 instruction (vdpbf16ps) then
+// adds x[k] w[n, k] + x[k+1] w[n, k+1] to 16 outputs at once, so a step streams the weight once,
+// front to back, with no horizontal sums. The weight is the only large operand of a decoding step:
+// at one row this is a memory-bound scan, at 12 rows each vector loaded is used for every row.
 //
-// The same layout feeds AMX (linear_amx below): a B tile is 16 consecutive 64-byte vectors of a
-// column block (32 inputs x 16 columns), an A tile 16 rows x 32 inputs of x. One tile product does
-// 16 x 16 x 32 multiply-adds, so every call up to 16 rows costs about what reading the weight
-// costs. The AVX-512 loop does one multiply-add vector per (row, column block, input pair), so
-// from a few rows on it is bound by arithmetic, not memory; it keeps as many rows as fit the
-// registers in one tile so the weight is still read once. Where the CPU has AMX it serves every
-// call; the AVX-512 loop serves CPUs with AVX-512 BF16 and no AMX.
+// Two arrangements of those vectors (hispec_decode.layers.linear.pack_vnni):
+// - group 1, [N/16, K/2, 16, 2]: each column block's vectors one after another. AMX (linear_amx)
+//   loads a B tile as 16 consecutive vectors of a block (32 inputs x 16 columns) against an A tile
+//   of 16 rows x 32 inputs, so every call up to 16 rows costs about what reading the weight costs.
+//   The AVX2 loop reads it too.
+// - group 2, [N/32, K/2, 2, 16, 2]: two column blocks side by side for each input pair, for the
+//   AVX-512 loop. A thread reads each pair of blocks as one contiguous stream, which the hardware
+//   prefetcher follows better than two streams a block apart.
+// Where the CPU has AMX it serves every call; the AVX-512 loop serves CPUs with AVX-512 BF16 and no
+// AMX. That loop does one multiply-add vector per (row, column block, input pair), so from a few
+// rows on it is bound by arithmetic; it keeps up to 12 rows in one register tile so the weight is
+// still read once.
 //
-// Reduction order: in both kernels output (m, n) accumulates over k in increasing order (pairs in
+// Reduction order: in every kernel output (m, n) accumulates over k in increasing order (pairs in
 // one lane; 32-input tile steps) into its own accumulator, whatever M is, whichever other rows
 // share the call and however the work is split between threads (threads split columns, never k).
 // A row's result is therefore the same bits alone or in any batch, per kernel.
@@ -35,12 +39,18 @@
 
 namespace {
 
-// The checks both kernels make of their operands: bf16, contiguous, x [M, 2*K2] against the
-// packed weight [blocks, K2, 16, 2].
-[[maybe_unused]] void check_operands(const torch::Tensor& x, const torch::Tensor& wp, const char* name) {
+// The checks every kernel makes of its operands: bf16, contiguous, x [M, 2*K2] against the packed
+// weight of its group, a float32 bias (or none) of one value per packed column.
+[[maybe_unused]] void check_operands(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias,
+                                     const char* name, int64_t group = 1) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16, name, ": bf16 tensors");
-  TORCH_CHECK(x.is_contiguous() && wp.is_contiguous() && x.dim() == 2 && wp.dim() == 4, name, ": layout");
+  TORCH_CHECK(x.is_contiguous() && wp.is_contiguous() && x.dim() == 2, name, ": layout");
+  TORCH_CHECK(group == 1 ? wp.dim() == 4 : (wp.dim() == 5 && wp.size(2) == group), name, ": a weight packed with ",
+              group, " column block(s) per input pair (pack_vnni(weight, group=", group, "))");
   TORCH_CHECK(x.size(1) == 2 * wp.size(1), name, ": x has ", x.size(1), " features, the weight ", 2 * wp.size(1));
+  const int64_t columns = wp.size(0) * group * 16;
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == columns), name,
+              ": a float32 bias of one value per packed column (", columns, "), got ", bias.numel());
 }
 
 }  // namespace
@@ -49,30 +59,27 @@ namespace {
 
 namespace {
 
-constexpr int64_t kCols = 16;     // output columns per packed block (one fp32 vector)
-constexpr int64_t kPrefetch = 8;  // input pairs ahead that a tile of 5 or more rows prefetches its weight
+constexpr int64_t kCols = 16;  // output columns per packed block (one fp32 vector)
+constexpr int64_t kGroup = 2;  // column blocks side by side per input pair: one 128-byte stream
+constexpr int64_t kRows = 12;  // rows per tile: 12 x 2 accumulators, 2 weight vectors, 1 input
 
-// rows x[0..MB), column blocks n0/16 .. n0/16 + NB; w points at block n0/16. A tile holds MB x NB
-// accumulators, NB weight vectors and one broadcast input in the 32 vector registers.
-template <int MB, int NB, bool PREFETCH>
-inline void tile(const uint32_t* x, int64_t K2, const uint16_t* w, int64_t block, const float* bias,
-                 uint16_t* y, int64_t y_stride, int64_t n0) {
-  static_assert(MB * NB + NB + 1 <= 32, "a tile must fit the vector registers");
-  __m512 acc[MB][NB];
+// rows x[0..MB) against one group (2 column blocks from column n0); w points at the group's first
+// vector, its input pair k2 at w + k2 * 64 (uint16). The weight is read front to back, once per tile.
+template <int MB>
+inline void tile(const uint32_t* x, int64_t K2, const uint16_t* w, const float* bias, uint16_t* y, int64_t y_stride,
+                 int64_t n0) {
+  __m512 acc[MB][kGroup];
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < kGroup; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k2 = 0; k2 < K2; ++k2) {
-    __m512bh wv[NB];
-    for (int j = 0; j < NB; ++j) {
-      if (PREFETCH && k2 + kPrefetch < K2) _mm_prefetch(reinterpret_cast<const char*>(w + j * block + (k2 + kPrefetch) * 2 * kCols), _MM_HINT_T0);
-      wv[j] = (__m512bh)_mm512_loadu_si512(w + j * block + k2 * 2 * kCols);
-    }
+    __m512bh wv[kGroup];
+    for (int j = 0; j < kGroup; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + (k2 * kGroup + j) * 2 * kCols);
     for (int i = 0; i < MB; ++i) {
       __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[i * K2 + k2]);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+      for (int j = 0; j < kGroup; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
   }
-  for (int j = 0; j < NB; ++j) {
+  for (int j = 0; j < kGroup; ++j) {
     __m512 b = bias ? _mm512_loadu_ps(bias + n0 + j * kCols) : _mm512_setzero_ps();
     for (int i = 0; i < MB; ++i) {
       __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b));
@@ -81,68 +88,44 @@ inline void tile(const uint32_t* x, int64_t K2, const uint16_t* w, int64_t block
   }
 }
 
-// One group of NB column blocks for every row, in `tiles` row tiles of near-equal size (at most
-// RMAX rows). The first tile reads the group's weight from memory (prefetching where its rows give
-// the loads time), the others find it in cache.
-template <int NB, int RMAX>
-inline void column_group(const uint32_t* X, int64_t M, int64_t tiles, int64_t K2, const uint16_t* w, int64_t block,
-                         const float* bias, uint16_t* Y, int64_t Np, int64_t n0) {
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t m0 = M * t / tiles, mb = M * (t + 1) / tiles - m0;
-    const uint32_t* xr = X + m0 * K2;
-    uint16_t* yr = Y + m0 * Np;
-    switch (mb) {
-#define HISPEC_TILE(n)                                                                    \
-  case n:                                                                                 \
-    if constexpr (n <= RMAX) {                                                            \
-      if (n >= 5 && t == 0) tile<n, NB, true>(xr, K2, w, block, bias, yr, Np, n0);        \
-      else tile<n, NB, false>(xr, K2, w, block, bias, yr, Np, n0);                        \
-    }                                                                                     \
-    break;
-      HISPEC_TILE(1) HISPEC_TILE(2) HISPEC_TILE(3) HISPEC_TILE(4) HISPEC_TILE(5) HISPEC_TILE(6)
-      HISPEC_TILE(7) HISPEC_TILE(8) HISPEC_TILE(9) HISPEC_TILE(10) HISPEC_TILE(11) HISPEC_TILE(12)
-#undef HISPEC_TILE
-      default: break;
-    }
-  }
-}
-
-// The blocks [begin, end) of a thread: groups of NB blocks, then single blocks at the end.
-template <int NB, int RMAX>
-inline void columns(const uint32_t* X, int64_t M, int64_t K2, const uint16_t* W, int64_t block, const float* bias,
-                    uint16_t* Y, int64_t Np, int64_t begin, int64_t end) {
-  const int64_t tiles = (M + RMAX - 1) / RMAX;
-  int64_t b = begin;
-  for (; b + NB <= end; b += NB) column_group<NB, RMAX>(X, M, tiles, K2, W + b * block, block, bias, Y, Np, b * kCols);
-  for (; b < end; ++b) column_group<1, RMAX>(X, M, tiles, K2, W + b * block, block, bias, Y, Np, b * kCols);
-}
-
 }  // namespace
 
 bool linear_bf16_available() { return true; }
 std::string linear_bf16_kind() { return "avx512_bf16"; }
+int64_t linear_bf16_group() { return kGroup; }
 
-// x: [M, 2*K2] bf16 contiguous (K padded to even by the caller); wp: [Np/16, K2, 16, 2] bf16;
-// bias: fp32 [Np] or empty. Returns [M, Np] bf16 (Np = N rounded up to 16).
+// x: [M, 2*K2] bf16 contiguous (K padded to even by the caller); wp: [Np/32, K2, 2, 16, 2] bf16;
+// bias: fp32 [Np] or empty. Returns [M, Np] bf16 (Np = N rounded up to 32).
 //
-// Up to 12 rows are one tile, so the weight is read once: 4 column blocks at a time up to 4 rows,
-// 3 up to 8, 2 up to 12 (more rows leave registers for fewer columns). More rows are cut into
-// tiles of at most 8 that share each group's weight through the cache.
+// Each thread streams its own groups of the weight; every group is one contiguous stream, which the
+// hardware prefetcher follows best. Up to 12 rows share one pass over the weight; more rows are cut
+// into near-equal tiles of at most 12 that find the group's weight in cache after the first.
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias) {
-  check_operands(x, wp, "linear_bf16");
-  const int64_t M = x.size(0), blocks = wp.size(0), K2 = wp.size(1), Np = blocks * kCols;
+  check_operands(x, wp, bias, "linear_bf16", kGroup);
+  const int64_t M = x.size(0), groups = wp.size(0), K2 = wp.size(1), Np = groups * kGroup * kCols;
   auto y = torch::empty({M, Np}, x.options());
   const uint32_t* X = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* W = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  const int64_t block = K2 * 2 * kCols;
-  // threads take contiguous ranges of column blocks (each streams its own part of the weight)
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    if (M <= 4) columns<4, 4>(X, M, K2, W, block, B, Y, Np, begin, end);
-    else if (M <= 8) columns<3, 8>(X, M, K2, W, block, B, Y, Np, begin, end);
-    else if (M <= 12) columns<2, 12>(X, M, K2, W, block, B, Y, Np, begin, end);
-    else columns<3, 8>(X, M, K2, W, block, B, Y, Np, begin, end);
+  const int64_t group = K2 * kGroup * 2 * kCols;  // uint16 elements per group
+  const int64_t tiles = (M + kRows - 1) / kRows;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t m0 = M * t / tiles, mb = M * (t + 1) / tiles - m0;
+        const uint32_t* xr = X + m0 * K2;
+        uint16_t* yr = Y + m0 * Np;
+        const uint16_t* w = W + g * group;
+        const int64_t n0 = g * kGroup * kCols;
+        switch (mb) {
+#define HISPEC_TILE(n) case n: tile<n>(xr, K2, w, B, yr, Np, n0); break;
+          HISPEC_TILE(1) HISPEC_TILE(2) HISPEC_TILE(3) HISPEC_TILE(4) HISPEC_TILE(5) HISPEC_TILE(6)
+          HISPEC_TILE(7) HISPEC_TILE(8) HISPEC_TILE(9) HISPEC_TILE(10) HISPEC_TILE(11) HISPEC_TILE(12)
+#undef HISPEC_TILE
+          default: break;
+        }
+      }
   });
   return y;
 }
@@ -228,9 +211,10 @@ inline void blocks_of(const float* x, int64_t M, int64_t Kp, const uint16_t* W, 
 
 bool linear_bf16_available() { return true; }
 std::string linear_bf16_kind() { return "avx2"; }
+int64_t linear_bf16_group() { return 1; }
 
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias) {
-  check_operands(x, wp, "linear_bf16");
+  check_operands(x, wp, bias, "linear_bf16");
   const int64_t M = x.size(0), blocks = wp.size(0), K2 = wp.size(1), Np = blocks * kCols, Kp = 2 * K2;
   auto y = torch::empty({M, Np}, x.options());
   const auto xf = x.to(at::kFloat);  // x converted once; each of its values is broadcast to a whole vector
@@ -251,6 +235,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& wp, const
 
 bool linear_bf16_available() { return false; }
 std::string linear_bf16_kind() { return "none"; }
+int64_t linear_bf16_group() { return 1; }
 torch::Tensor linear_bf16(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
   TORCH_CHECK(false, "linear_bf16: built without AVX-512 BF16 or AVX2");
 }
@@ -284,7 +269,7 @@ bool amx_available() {  // Linux hands out the tile state only on request, once 
 // x: [M, K] bf16 contiguous with K a multiple of 32; wp: the VNNI weight. Returns [M, Np] bf16.
 torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias) {
   TORCH_CHECK(amx_available(), "linear_amx: this CPU or kernel grants no AMX tiles");
-  check_operands(x, wp, "linear_amx");
+  check_operands(x, wp, bias, "linear_amx");
   const int64_t M = x.size(0), K = x.size(1), blocks = wp.size(0), K2 = wp.size(1), Np = blocks * kCols;
   TORCH_CHECK(K % 32 == 0, "linear_amx: ", K, " features; AMX tiles need a multiple of 32 (see pack_vnni)");
   auto y = torch::empty({M, Np}, x.options());

@@ -7,6 +7,7 @@
 
 bool linear_bf16_available();
 std::string linear_bf16_kind();
+int64_t linear_bf16_group();
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias);
 bool amx_available();
 torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias);
