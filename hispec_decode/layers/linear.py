@@ -3,8 +3,8 @@
 At batch 1 a decoder is a chain of matrix-vector products, bound by reading the weights. On CPU
 the engine keeps packed copies of the linear weights (``pack_weights=False`` turns it off):
 
-- in bf16 where the compiled kernels are built, a VNNI layout for this project's kernel
-  (:mod:`hispec_decode.kernels`), which serves every call whatever its row count: on AMX tiles
+- in bf16 where the compiled kernels are built, a VNNI layout (:func:`pack_vnni`, arranged for
+  the loop that will read it) for this project's kernel (:mod:`hispec_decode.kernels`), which serves every call whatever its row count: on AMX tiles
   where the CPU has them, else an AVX-512 BF16 loop, else an AVX2 + FMA loop (weights widened to
   float32 in registers). Each reads every weight once per call and computes each row in an order
   that ignores the other rows, so a call over 8 rows costs little more than one over 1 row where
