@@ -3,12 +3,13 @@
 At batch 1 a decoder is a chain of matrix-vector products, bound by reading the weights. On CPU
 the engine keeps packed copies of the linear weights (``pack_weights=False`` turns it off):
 
-- in bf16 where the compiled kernels are built, a VNNI layout (:func:`pack_vnni`, arranged for
-  the loop that will read it) for this project's kernel (:mod:`hispec_decode.kernels`), which serves every call whatever its row count: on AMX tiles
-  where the CPU has them, else an AVX-512 BF16 loop, else an AVX2 + FMA loop (weights widened to
-  float32 in registers). Each reads every weight once per call and computes each row in an order
-  that ignores the other rows, so a call over 8 rows costs little more than one over 1 row where
-  the CPU has the arithmetic to spare, and every bf16 linear is batch-invariant as it stands;
+- in bf16 where the compiled kernels are built, a VNNI layout (:func:`pack_vnni`, arranged for the
+  loop that reads it) for this project's kernel (:mod:`hispec_decode.kernels`), which serves every
+  call whatever its row count: on AMX tiles where the CPU has them, else an AVX-512 BF16 loop, else
+  an AVX2 + FMA loop (weights widened to float32 in registers). Each reads every weight once per
+  call and computes each row in an order that ignores the other rows, so a call over 8 rows costs
+  little more than one over 1 row where the CPU has the arithmetic to spare, and every bf16 linear
+  is batch-invariant as it stands;
 - otherwise (float32, or bf16 without the kernels) oneDNN's blocked layout
   (``_reorder_linear_weight``), about twice as fast as ``F.linear``; the batch-invariant mode then
   cuts calls into chunks of a fixed row count.
@@ -55,8 +56,8 @@ def vnni_bias(bias: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor:
     """The kernels' bias: float32, one value per packed column (zeros past the real ones); empty for none."""
     if bias is None:
         return _NO_BIAS
-    b = bias.float()
-    return F.pad(b, (0, packed_columns(packed) - b.shape[0])) if b.shape[0] != packed_columns(packed) else b
+    b, columns = bias.float(), packed_columns(packed)
+    return F.pad(b, (0, columns - b.shape[0])) if b.shape[0] != columns else b
 
 
 def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
@@ -70,7 +71,6 @@ def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     k = kernels.ops()
     y = (k.linear_amx if amx else k.linear_bf16)(flat.contiguous(), packed, vnni_bias(bias, packed))
     return (y if y.shape[1] == n else y[:, :n]).reshape(*lead, n)
-
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -118,7 +118,8 @@ class FusedLinear:
         self.amx = False  # every call on AMX tiles over the VNNI copy
         if self.packed and weights[0].dtype == torch.bfloat16 and kernels.has_linear_bf16():
             self.amx = kernels.has_amx()
-            self.vnni = pack_vnni(torch.cat(weights) if len(weights) > 1 else weights[0], vnni_group(self.amx))
+            weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+            self.vnni = pack_vnni(weight, vnni_group(self.amx))
             self.vnni_bias = vnni_bias(torch.cat(biases), self.vnni) if has_bias else None
             self.weight, self.bias = None, None
         elif self.packed:
