@@ -165,6 +165,32 @@ def test_stop_strings_and_n(chat_model, reference):
 
 
 # -- streamed chunks: nothing before the first token (time to first token as load generators see it)
+def test_a_finished_answer_is_already_in_metrics(chat_model, monkeypatch):
+    """The engine publishes its /metrics snapshot before it hands a request its last tokens, so a
+    client that has its answer finds it counted, however late the engine thread's periodic refresh
+    runs (here it is delayed by 0.3 s)."""
+    from hispec_decode.serving.async_engine import AsyncEngine
+
+    publish = AsyncEngine._publish
+
+    def late(self, force: bool = False) -> None:
+        if not force:
+            time.sleep(0.3)
+        publish(self, force)
+
+    monkeypatch.setattr(AsyncEngine, "_publish", late)
+    server = LiveServer(chat_model, num_blocks=64)
+    try:
+        client, total = server.client(), 0
+        for max_tokens in (3, 5):
+            r = client.completions.create(model=MODEL, prompt="Once upon", temperature=0, max_tokens=max_tokens)
+            total += r.usage.completion_tokens
+            assert server.metric("hispec_generation_tokens_total") == total
+            assert server.metric("hispec_cache_blocks_used") == 0
+    finally:
+        server.close()
+
+
 def test_stream_sends_role_with_first_text_and_nothing_before(chat_model):
     """The first chunk of a choice carries its role and its first text, so ``vllm bench serve``
     (TTFT at the first chunk with choices) measures prefill; a choice that ends without text gets

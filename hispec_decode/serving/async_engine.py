@@ -249,14 +249,19 @@ class AsyncEngine:
                     self._abort(request_id)
                     self._post(events, Event(request_id, [], True, "abort", error=f"engine error: {exc}"))
             return
+        posts = []
         for out in outputs:
             self._generated += len(out.new_tokens)
             events = self._streams[out.request_id]
             if out.finished:
                 reason = self.engine.sequences[out.request_id].finish_reason
-                self._post(events, Event(out.request_id, out.new_tokens, True, reason, self._release(out.request_id)))
+                posts.append((events, Event(out.request_id, out.new_tokens, True, reason, self._release(out.request_id))))
             else:
-                self._post(events, Event(out.request_id, out.new_tokens))
+                posts.append((events, Event(out.request_id, out.new_tokens)))
+        if any(event.finished for _, event in posts):
+            self._publish(force=True)  # a client that has its whole answer finds it counted in /metrics
+        for events, event in posts:
+            self._post(events, event)
 
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()
