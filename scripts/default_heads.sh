@@ -25,7 +25,7 @@ case "$MODEL" in
   gemma3)  # a pretrained base model: plain-text continuations
     BASE=(--base gemma3-270m); PROMPTS=continuation; NEW=256; LAYERS=2,4,6,9; RUN=gemma3-270m; TUNE_PROMPTS=continuation
     EXTRA_RUN=; EXTRA_ARGS=()
-    TOKENS=${TOKENS:-200000}; STEPS=${STEPS:-240} ;;
+    TOKENS=${TOKENS:-1000000}; STEPS=${STEPS:-800} ;;
   qwen-coder)  # a code chat model: ShareGPT's requests about code and HumanEval (held-out problems left out)
     BASE=(--base qwen2.5-coder-0.5b); PROMPTS=sharegpt-code,humaneval; NEW=384; LAYERS=2,4,6,9,12
     RUN=qwen2.5-coder-0.5b; TUNE_PROMPTS=code; EXTRA_RUN=; EXTRA_ARGS=()
