@@ -164,7 +164,6 @@ def test_stop_strings_and_n(chat_model, reference):
         server.close()
 
 
-# -- streamed chunks: nothing before the first token (time to first token as load generators see it)
 def test_a_finished_answer_is_already_in_metrics(chat_model, monkeypatch):
     """The engine publishes its /metrics snapshot before it hands a request its last tokens, so a
     client that has its answer finds it counted, however late the engine thread's periodic refresh
@@ -191,6 +190,7 @@ def test_a_finished_answer_is_already_in_metrics(chat_model, monkeypatch):
         server.close()
 
 
+# -- streamed chunks: nothing before the first token (time to first token as load generators see it)
 def test_stream_sends_role_with_first_text_and_nothing_before(chat_model):
     """The first chunk of a choice carries its role and its first text, so ``vllm bench serve``
     (TTFT at the first chunk with choices) measures prefill; a choice that ends without text gets

@@ -258,7 +258,7 @@ class AsyncEngine:
                 posts.append((events, Event(out.request_id, out.new_tokens, True, reason, self._release(out.request_id))))
             else:
                 posts.append((events, Event(out.request_id, out.new_tokens)))
-        if any(event.finished for _, event in posts):
+        if any(out.finished for out in outputs):
             self._publish(force=True)  # a client that has its whole answer finds it counted in /metrics
         for events, event in posts:
             self._post(events, event)
