@@ -158,3 +158,113 @@ def test_machine_policies_of_equal_heads_on_other_bases_are_kept_apart(tiny_mode
         adapter = HiSpecAdapter.create(model.decoder, base, [ExitSpec(1, "draft", "norm")])
         ids.add(derive.adapter_id(adapter))
     assert len(ids) == 2
+
+
+# -- derivation never stops a decode ----------------------------------------------------------------
+def test_a_tree_that_expands_one_node_replays(calibrated, trainable_base):
+    """A static tree whose level holds one node to expand (two nodes, two levels): the replay hands the
+    drafter one row of trace "logits" (a numpy array indexed by a one-row list, not a scalar)."""
+    from hispec_decode.decoding.policy import Policy
+    from hispec_decode.tuning.simulate import replay
+
+    heads, traces = calibrated
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    n, eos = model.num_layers, model.decoder.default_eos_ids()
+    costs = _flat_costs([2, 4], n)
+    for nodes, width, depth in ((2, 2, 2), (3, 1, 3), (4, 2, 4)):
+        policy = Policy(2, n, 1, depth, 0.0, 0.0, tree="static", tree_nodes=nodes, tree_width=width)
+        for trace in traces:
+            r = replay(trace, "hispec", policy, costs, n, eos)
+            assert r.tokens == trace.limit - trace.prompt_length or trace.tokens[-1] in eos
+
+
+def _flat_costs(layers: list[int], n: int, value: float = 1e-3):
+    from hispec_decode.tuning.costs import ROWS, SEQS, CostModel
+
+    rows = sorted(set(ROWS) | set(SEQS))
+    return CostModel({r: value for r in ROWS}, {r: value for r in ROWS}, {s: value for s in SEQS},
+                     {s: value for s in SEQS}, {layer: {r: value for r in rows} for layer in [*layers, n]})
+
+
+def test_derivation_survives_noisy_flat_and_non_monotonic_costs(calibrated, trainable_base):
+    """A property over random cost tables, as a loaded machine measures them (noise, flat stretches,
+    more rows costing less): the derivation returns policies that resolve on the model and decode."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    from hispec_decode.config import SpeculativeConfig
+    from hispec_decode.decoding.policy import resolve_policy
+    from hispec_decode.tuning.costs import ROWS, SEQS, CostModel
+
+    heads, traces = calibrated
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    n = model.num_layers
+    rows = sorted(set(ROWS) | set(SEQS))
+    seconds = st.one_of(st.just(1e-3), st.floats(1e-6, 5e-2))  # flat or anything, in any order
+
+    def table(keys):
+        return st.fixed_dictionaries({k: seconds for k in keys})
+
+    costs = st.builds(CostModel, table(ROWS), table(ROWS), table(SEQS), table(SEQS),
+                      st.fixed_dictionaries({layer: table(rows) for layer in (2, 4, n)}),
+                      st.floats(0, 1e-2), st.floats(0, 1e-2))
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(costs)
+    def check(cost_model):
+        derived = derive.derive(model, traces, cost_model)
+        for method in ("hispec", "self_spec"):
+            policy = resolve_policy(SpeculativeConfig(method=method), n, {}, derived[method])
+            assert policy.exits(method, n)[-1] == n
+
+    check()
+    tree = {"draft_layer": 2, "verify_layer": n, "window": 1, "num_draft": 2, "draft_threshold": 0.0,
+            "verify_threshold": 0.0, "tree": "static", "tree_nodes": 2, "tree_width": 2}
+    assert model.generate([PROMPTS[1]], max_new_tokens=8, **tree, batch_aware=False).sequences == model.generate(
+        [PROMPTS[1]], max_new_tokens=8, method="autoregressive").sequences
+
+
+def test_a_failed_derivation_decodes_with_the_shipped_policy(calibrated, trainable_base, tmp_path, monkeypatch, caplog):
+    """Deriving fails after measuring: one warning, the adapter's own policy decodes, and the next load
+    derives again from the costs already measured (no second measuring)."""
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
+    heads, _ = calibrated
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+
+    def broken(*args, **kwargs):
+        raise IndexError("invalid index to scalar variable.")
+
+    monkeypatch.setattr(derive, "derive", broken)
+    with caplog.at_level("WARNING", logger="hispec_decode.tuning.derive"):
+        policy = model.policy(method="hispec")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "IndexError" in warnings[0] and "shipped policy" in warnings[0]
+    assert (policy.draft_layer, policy.verify_layer) == (2, 4)  # the adapter's roles
+    prompt = PROMPTS[0]
+    assert model.generate([prompt], max_new_tokens=6).sequences == model.generate(
+        [prompt], max_new_tokens=6, method="autoregressive").sequences
+    (path,) = (tmp_path / "machine").rglob("*.json")
+    assert json.loads(path.read_text())["source"] == "measured"
+
+    monkeypatch.undo()
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("costs measured again")
+
+    monkeypatch.setattr(derive, "measure_costs", no_measuring)
+    again = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    again.policy(method="hispec")
+    assert json.loads(path.read_text())["source"] == "derived"
+
+
+def test_a_corrupt_policy_file_is_named_in_a_warning(calibrated, trainable_base, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
+    heads, _ = calibrated
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    path = derive.policy_path(model)
+    path.parent.mkdir(parents=True)
+    path.write_text("{ damaged")
+    with caplog.at_level("WARNING", logger="hispec_decode.tuning.derive"):
+        model.policy(method="hispec")
+    assert any("unreadable" in r.getMessage() and str(path) in r.getMessage() for r in caplog.records)
+    assert json.loads(path.read_text())["source"] == "derived"

@@ -70,7 +70,7 @@ def draft_tree(seq: Sequence, policy: Policy, threshold: float, floor: float = 0
             break
         logits = yield BandRequest(seq, 0, len(new))
         seq.counters.calls_draft += 1
-        rows = torch.tensor([j for j, i in enumerate(new) if i in expand])
+        rows = [j for j, i in enumerate(new) if i in expand]  # a list: one row stays a [1, ...] slice, in numpy too
         frontier = list(zip(expand, seq.sampler.candidates(logits[rows], width, [base + tree.depth(i) for i in expand])))
         level += 1
     if shape is None:  # EAGLE-2's re-ranking: the budget left goes to the best candidates not taken

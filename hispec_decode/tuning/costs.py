@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,6 +67,16 @@ class CostModel:
     def full_step(self, num_layers: int, seqs: int) -> float:
         """One plain decoding step of ``seqs`` sequences: every layer and the final LM head."""
         return self.band(0, num_layers, seqs, seqs) + self.exit(num_layers, seqs)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostModel:
+        """The inverse of :meth:`to_dict` after a JSON round trip (keys are strings there)."""
+        def table(d: dict) -> dict[int, float]:
+            return {int(k): float(v) for k, v in d.items()}
+
+        return cls(table(data["call_rows"]), table(data["layer_rows"]), table(data["call_seqs"]),
+                   table(data["layer_seqs"]), {int(k): table(v) for k, v in data["exits"].items()},
+                   float(data.get("request", 0.0)), float(data.get("speculative_request", 0.0)))
 
     def to_dict(self) -> dict[str, object]:
         return {"call_rows": self.call_rows, "layer_rows": self.layer_rows, "call_seqs": self.call_seqs,

@@ -236,7 +236,10 @@ def machine_costs(model: Any, traces: list[Trace]) -> CostModel:
 def machine_policy(model: Any) -> dict[str, Any] | None:
     """This machine's policies (``{"hispec": {...}, "self_spec": {...}}``) for ``model``'s adapter and
     dtype: the stored one (tuned here, or derived before), else derived now from the adapter's
-    calibration (measuring this machine's costs: seconds) and stored; None without a calibration."""
+    calibration (measuring this machine's costs: seconds) and stored; None without a calibration, or
+    where deriving fails (then one warning says so, and decoding takes the adapter's shipped policy).
+    Measured costs are stored before the policy is derived from them, so a later load that derives
+    again does not measure again."""
     adapter = model.adapter
     path = policy_path(model)
     stored = _read(path)
@@ -245,26 +248,59 @@ def machine_policy(model: Any) -> dict[str, Any] | None:
     if adapter is None:  # the base alone: traces of a short calibration decode, the vocabulary level's grid
         if not vocab_sizes(model):
             return None
+    elif adapter.calibration_path is None:
+        return None
+    try:
+        return _derive_and_store(model, path)
+    except Exception as exc:  # noqa: BLE001 - a failed derivation must never stop a decode
+        logger.warning("hispec: deriving this machine's decoding policy failed (%s: %s); decoding with the %s",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", "adapter's shipped policy"
+                       if adapter is not None else "default policy")
+        return None
+
+
+def _derive_and_store(model: Any, path: Path) -> dict[str, Any]:
+    adapter = model.adapter
+    if adapter is None:
         calibration = "calibration decode"
         prompts, new_tokens = fit_context(model, calibration_prompts(model.tokenizer)[:BASE_TRACES], BASE_TOKENS)
         traces = record_calibration(model, prompts, new_tokens, [])
-    elif adapter.calibration_path is None:
-        return None
     else:
         calibration = calibration_id(adapter.calibration_path)
         traces = load_calibration(adapter.calibration_path)
-    logger.info("hispec: measuring this machine's pass costs for a decoding policy (once; kept in %s)", path)
     t0 = time.perf_counter()
-    costs = machine_costs(model, traces)
+    about = {"derivation": DERIVATION, "machine": machine.describe(model.decoder.device), "dtype": str(model.decoder.dtype),
+             "calibration": calibration}
+    costs = _measured(path, about)
+    if costs is None:
+        logger.info("hispec: measuring this machine's pass costs for a decoding policy (once; kept in %s)", path)
+        costs = machine_costs(model, traces)
+        store(path, {"source": "measured", **about, "costs": costs.to_dict()})
+    else:
+        logger.info("hispec: deriving a decoding policy from the pass costs measured before (%s)", path)
+        if any(int(key) < 0 for key in costs.exits):
+            model.token_ranking()
     derived = derive(model, traces, costs)
     policies = {"hispec": derived.pop("hispec"), "self_spec": derived.pop("self_spec")}
-    record = {"source": "derived", "derivation": DERIVATION, "machine": machine.describe(model.decoder.device), "dtype": str(model.decoder.dtype),
-              "calibration": calibration, "made_on": time.strftime("%Y-%m-%d"),
+    record = {"source": "derived", **about, "made_on": time.strftime("%Y-%m-%d"),
               "seconds": round(time.perf_counter() - t0, 1), "policies": policies, **derived, "costs": costs.to_dict()}
     store(path, record)
     logger.info("hispec: derived %s (predicted %.1f tok/s, plain %.1f) in %.0f s", derived["predicted"][0]["config"],
                 derived["predicted"][0]["tokens_per_second"], derived["predicted_autoregressive"], record["seconds"])
     return policies
+
+
+def _measured(path: Path, about: dict[str, Any]) -> CostModel | None:
+    """The costs a record at ``path`` holds, if it was measured for the same derivation, machine, dtype
+    and calibration (a derivation that failed after measuring left them there)."""
+    try:
+        record = json.loads(path.read_text())
+        if record.get("source") != "measured" or any(record.get(k) != json.loads(json.dumps(v, default=str))
+                                                      for k, v in about.items()):
+            return None
+        return CostModel.from_dict(record["costs"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def store(path: Path, record: dict[str, Any]) -> None:
@@ -273,11 +309,20 @@ def store(path: Path, record: dict[str, Any]) -> None:
 
 
 def _read(path: Path) -> dict[str, Any] | None:
-    """A stored record, or None (missing, or unreadable: then it is made again)."""
+    """A stored record with policies, or None: missing, only measured, or unreadable (then a warning
+    says why the policy is made again)."""
     try:
         record = json.loads(path.read_text())
-        if isinstance(record.get("policies"), dict) and isinstance(record["policies"].get("hispec"), dict):
-            return record
-    except (OSError, ValueError, AttributeError):
-        pass
-    return None
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        logger.warning("hispec: the machine policy file %s is unreadable (%s); deriving it again", path,
+                       str(exc).splitlines()[0])
+        return None
+    if isinstance(record, dict) and record.get("source") == "measured":
+        return None
+    if not (isinstance(record, dict) and isinstance(record.get("policies"), dict)
+            and isinstance(record["policies"].get("hispec"), dict)):
+        logger.warning("hispec: the machine policy file %s holds no policies; deriving it again", path)
+        return None
+    return record
