@@ -26,6 +26,7 @@ from torch import nn
 
 from ..errors import HiSpecError
 from ..files import atomic_directory, check_writable, clean_stale, write_text
+from .gguf_file import read_header
 from .registry import check_supported
 
 logger = logging.getLogger(__name__)
@@ -215,16 +216,10 @@ def _legacy_complete(target: Path) -> bool:
     return True
 
 
-GGUF_MAGIC = b"GGUF"
-
-
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, object]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise HiSpecError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+    read_header(path)  # a cut, damaged or unknown-format file fails here, in one line, before any work
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except (OSError, ValueError, KeyError, EOFError) as exc:  # a truncated or unsupported GGUF
