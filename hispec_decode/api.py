@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from .adapter import HiSpecAdapter, compute_fingerprint
+from .adapter.hispec_adapter import check_source
 from .adapter.fingerprint import base_id
 from .adapter.vocabulary import VOCAB_NAME, calibration_prompts, calibration_weights, load_weights, ranking, save_weights
 from .config import SPECULATIVE_FIELDS, EngineConfig, SpeculativeConfig, checked, split_overrides, unknown_arguments
@@ -40,6 +41,13 @@ def default_heads_for(base: str | os.PathLike | None) -> Path | None:
     alias = DEFAULT_BASE.alias if base is None else str(base)
     path = DEFAULT_HEADS_ROOT / alias
     return path if alias in PACKAGED_BASES and path.is_dir() else None
+
+
+def _check_arguments(**flags: object) -> None:
+    for name, value in flags.items():
+        if not (isinstance(value, bool) or (value is None and name == "batch_invariant")):
+            raise HiSpecError(f"{name} must be True or False{' or None' if name == 'batch_invariant' else ''}; got "
+                              f"{value!r:.60}")
 
 
 class HiSpecModel:
@@ -97,10 +105,13 @@ class HiSpecModel:
         ``autoregressive`` output token for token, and batched rows equal the same prompts decoded
         alone (docs/batch-invariance.md). ``None`` (the default): on where it costs nothing
         measurable, bf16 on a CPU with the compiled AMX kernels; off elsewhere."""
+        _check_arguments(pack_weights=pack_weights, batch_invariant=batch_invariant)
         if heads is None:
-            heads = default_heads_for(base)
-        if heads is not None and str(heads).lower() == NO_HEADS:
+            heads = default_heads_for(base) if base is None or isinstance(base, (str, os.PathLike)) else None
+        if isinstance(heads, str) and heads.lower() == NO_HEADS:
             heads = None
+        if heads is not None:
+            check_source(heads, revision)  # before the base is loaded
         loaded = load_base(base, dtype)
         decoder = decoder_for(loaded.model, pack_weights)
         if batch_invariant is None:
@@ -137,6 +148,9 @@ class HiSpecModel:
         explicit = config.batch_aware is False and all(getattr(config, k) is not None for k in TUNABLE)
         tuned = None if explicit else self.tuned_policy(config.method)
         policy = resolve_policy(config, self.num_layers, roles, tuned)
+        if config.vocab is not None and config.vocab >= self.decoder.vocab_size:
+            raise HiSpecError(f"vocab={config.vocab} never takes effect: the vocabulary level must hold fewer tokens "
+                              f"than the vocabulary ({self.decoder.vocab_size}); 0 turns it off")
         window = self.decoder.min_sliding_window()
         if policy.tree != "chain" and window is not None and policy.num_draft > window:
             # a node deeper than the window would see ancestors its position no longer sees

@@ -36,6 +36,18 @@ class SpeculativeChecks:
         for name, value in check_knobs({k: getattr(self, k) for k in TUNABLE}, optional=True).items():
             object.__setattr__(self, name, value)
         check_bool(self, "batch_aware", "use_exit_vocab", "guard")
+        unused = [k.name for k in KNOBS if getattr(self, k.name) is not None and self.method not in k.methods]
+        if unused:
+            readers = sorted({m for k in KNOBS if k.name in unused for m in k.methods})
+            raise HiSpecError(f"{', '.join(f'{k}={getattr(self, k)!r}' for k in unused)} never takes effect with "
+                              f"method={self.method!r} (read by {' and '.join(readers)}); leave "
+                              f"{'it' if len(unused) == 1 else 'them'} unset")
+
+
+def for_method(config: SpeculativeConfig, method: str) -> SpeculativeConfig:
+    """``config`` with ``method`` and the knobs that method does not read unset (a benchmark runs several
+    methods under one set of knobs)."""
+    return dataclasses.replace(config, method=method, **{k.name: None for k in KNOBS if method not in k.methods})
 
 
 # The decoding method and its policy, fixed for every request of an engine: the method, one optional field

@@ -65,9 +65,9 @@ class Knob:
 
 KNOBS: tuple[Knob, ...] = (
     Knob("draft_layer", int, None, "L_d, the draft exit (default: the adapter's draft head, else ~depth/8; the "
-         "number of layers: the vocabulary level drafts)"),
+         "number of layers: the vocabulary level drafts)", minimum=1),
     Knob("verify_layer", int, None, "L_i, the intermediate exit (default: the adapter's intermediate head, else "
-         "~depth/4; the number of layers: no intermediate exit)", methods=HISPEC),
+         "~depth/4; the number of layers: no intermediate exit)", minimum=1, methods=HISPEC),
     Knob("window", int, 2, "N_i: tentative tokens per full verification at most", minimum=1, methods=HISPEC,
          search=(1, 2, 3, 4, 6)),
     Knob("num_draft", int, 1, "drafts per check at most (k for self_spec, k_d for hispec; a tree's depth)",

@@ -18,6 +18,9 @@ from .errors import HiSpecError
 from .validation import as_int, check_bool, check_int, help_text, is_int, is_real
 
 
+SAMPLING_ONLY = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "drafter_invariant": False}  # field -> greedy's value
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """Per-request settings of ``generate``, ``LLMEngine.add_request`` and every server request."""
@@ -58,10 +61,26 @@ class SamplingParams:
             raise HiSpecError(f"top_k must be an integer >= 0 (0: no limit); got {self.top_k!r}")
         if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise HiSpecError(f"top_p must be a number in (0, 1]; got {self.top_p!r}")
+        if not self.do_sample:  # greedy decoding reads none of these: a value set would never take effect
+            unused = [f"{name}={getattr(self, name)!r}" for name, neutral in SAMPLING_ONLY.items()
+                      if getattr(self, name) != neutral]
+            if unused:
+                raise HiSpecError(f"{', '.join(unused)} takes effect only when sampling: set do_sample=True, or leave "
+                                  f"{'it' if len(unused) == 1 else 'them'} at the default for greedy decoding")
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A checked copy with ``changes`` applied (the same as :func:`dataclasses.replace`)."""
         return dataclasses.replace(self, **changes) if changes else self
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The token ids and ``top_k`` against the model's vocabulary: beyond it they could never take effect."""
+        eos = self.eos_token_id
+        beyond = [t for t in (eos if isinstance(eos, tuple) else () if eos is None else (eos,)) if t >= vocab_size]
+        if beyond:
+            raise HiSpecError(f"eos_token_id {beyond[0]} is not a token of this model (its vocabulary has {vocab_size} "
+                              f"tokens, ids 0 to {vocab_size - 1}); an empty list means no end-of-sequence token")
+        if self.top_k > vocab_size:
+            raise HiSpecError(f"top_k={self.top_k} exceeds the vocabulary ({vocab_size} tokens); 0 samples from all")
 
     def eos_ids(self, default: frozenset[int]) -> frozenset[int]:
         if self.eos_token_id is None:

@@ -259,9 +259,10 @@ def generate(cfg: SelfDistillConfig) -> Path:
             if len(ids) > cfg.max_prompt_tokens:
                 skipped += 1
                 continue
+            sampled = {"temperature": cfg.temperature, "top_p": cfg.top_p} if job.do_sample else {}
             rid = engine.add_request(ids, SamplingParams(
-                max_new_tokens=cfg.max_new_tokens, do_sample=job.do_sample, temperature=cfg.temperature,
-                top_p=cfg.top_p, seed=cfg.seed * 1_000_003 + job.job))
+                max_new_tokens=cfg.max_new_tokens, do_sample=job.do_sample, seed=cfg.seed * 1_000_003 + job.job,
+                **sampled))
             pending[rid] = job
             budget -= cfg.max_new_tokens // 2
 

@@ -109,7 +109,7 @@ def engine_speeds(model, reps: int = 3) -> dict[str, float]:
     """Tokens per second of plain decoding and default hispec, 128 tokens after a one-token prompt."""
     first = next(iter(model.decoder.default_eos_ids()), 0)
     prompt = [model.tokenizer.bos_token_id if model.tokenizer.bos_token_id is not None else first]
-    never = model.decoder.vocab_size  # an id no step produces: 128 tokens every time, as llama-bench
+    never = ()  # no end-of-sequence token: 128 tokens every time, as llama-bench
     speeds = {}
     for method in ("autoregressive", "hispec"):
         model.generate([prompt], max_new_tokens=8, method=method, eos_token_id=never)  # warm-up

@@ -188,6 +188,14 @@ def make_run_dir(run_dir: Path, base: Path, scale: float = 0.0, step: int = 3) -
     return run_dir
 
 
+def read_by(method: str, **settings) -> dict:
+    """``settings`` with ``method``, less the policy knobs that method does not read (the engine refuses a knob
+    that can never take effect): one set of knobs for tests that run several methods."""
+    from hispec_decode.knobs import KNOB
+
+    return {"method": method, **{k: v for k, v in settings.items() if k not in KNOB or method in KNOB[k].methods}}
+
+
 # -- killed writers: SIGKILL right before the k-th file system operation, for every k ----------
 
 FS_OPERATIONS = [(os, "replace"), (os, "chmod"), (shutil, "rmtree"), (Path, "mkdir"), (Path, "write_text"),

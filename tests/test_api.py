@@ -20,6 +20,7 @@ from hispec_decode import (
     __version__,
 )
 from hispec_decode.adapter import ExitSpec
+from hispec_decode.config import for_method
 from hispec_decode.engine.sequence import Status
 from hispec_decode.tools import bench, bench_serve, serve, tune
 from hispec_decode.tools import generate as generate_cli
@@ -40,7 +41,9 @@ def test_settings_objects_equal_keyword_arguments(hispec_models):
     short = model.generate(PROMPTS, sampling, speculative, max_new_tokens=4, num_blocks=8, block_size=4)
     assert [len(s) for s in short.sequences] == [4, 4, 4] and sampling.max_new_tokens == 12
     assert short.sequences == [s[:4] for s in by_objects.sequences]
-    plain = model.generate(PROMPTS, sampling, speculative, method="autoregressive")
+    with pytest.raises(HiSpecError, match="never takes effect with method='autoregressive'"):
+        model.generate(PROMPTS, sampling, speculative, method="autoregressive")  # the exits would be ignored
+    plain = model.generate(PROMPTS, sampling, for_method(speculative, "autoregressive"))
     assert plain.sequences == by_objects.sequences and plain.stats["method"] == "autoregressive"
 
 

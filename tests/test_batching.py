@@ -11,7 +11,7 @@ from hispec_decode import OutOfBlocksError
 
 from conftest import ARCHS, save_tiny
 from conftest import BATCH_PROMPTS as PROMPTS
-from conftest import identity_above
+from conftest import identity_above, read_by
 
 NEW = 16
 METHODS = ["autoregressive", "self_spec", "hispec"]
@@ -19,7 +19,7 @@ POLICY = dict(draft_layer=2, verify_layer=4, window=3, num_draft=2)
 
 
 def _kwargs(method: str) -> dict:
-    return {} if method == "autoregressive" else POLICY
+    return read_by(method, **POLICY)
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,8 @@ def alone(hispec_models):
     out = {}
     for arch in ARCHS:
         for method in METHODS:
-            out[arch, method] = [hispec_models[arch].generate([p], max_new_tokens=NEW, method=method,
-                                                              **_kwargs(method)).sequences[0] for p in PROMPTS]
+            out[arch, method] = [hispec_models[arch].generate([p], max_new_tokens=NEW, **_kwargs(method)).sequences[0]
+                                 for p in PROMPTS]
     return out
 
 
@@ -38,7 +38,7 @@ def alone(hispec_models):
 def test_batched_rows_equal_rows_decoded_alone(arch, method, hispec_models, tiny_models, alone):
     model = hispec_models[arch]
     for b in (1, 2, 5, 16):
-        out = model.generate(PROMPTS[:b], max_new_tokens=NEW, method=method, **_kwargs(method))
+        out = model.generate(PROMPTS[:b], max_new_tokens=NEW, **_kwargs(method))
         assert out.sequences == alone[arch, method][:b], b
         assert out.stats["preemptions"] == 0
     # and alone equals transformers (spot check: the longest and the shortest prompt)
@@ -77,7 +77,7 @@ def test_rows_that_accept_everything_beside_rows_that_reject_everything(arch, tm
     model = tiny.load(heads=str(tmp_path / "heads"))
     rows = [[5, 0], [3, 9], [1, 2, 3, 0], [7], [0], [4, 4, 8]]
     for method in ("self_spec", "hispec"):
-        out = model.generate(rows, max_new_tokens=NEW, method=method, **POLICY)
+        out = model.generate(rows, max_new_tokens=NEW, **_kwargs(method))
         for row, seq, run in zip(rows, out.sequences, out.seqs):
             assert seq == [row[-1]] * NEW == tiny.hf_generate(row, NEW)
             c = run.counters
@@ -89,8 +89,8 @@ def test_rows_that_accept_everything_beside_rows_that_reject_everything(arch, tm
 def test_small_cache_preempts_and_recomputes_without_changing_a_token(method, hispec_models, alone):
     model = hispec_models["qwen3"]
     for schedule in ("eager", "gather"):
-        out = model.generate(PROMPTS[:8], max_new_tokens=NEW, method=method, num_blocks=14, block_size=4,
-                             schedule=schedule, **_kwargs(method))
+        out = model.generate(PROMPTS[:8], max_new_tokens=NEW, num_blocks=14, block_size=4, schedule=schedule,
+                             **_kwargs(method))
         assert out.sequences == alone["qwen3", method][:8]
         assert out.stats["preemptions"] > 0
 
@@ -117,7 +117,7 @@ def test_cache_that_cannot_hold_one_sequence_fails_clearly(hispec_models):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_gather_schedule_gives_the_same_tokens_as_alone(method, hispec_models, alone):
-    out = hispec_models["opt"].generate(PROMPTS, max_new_tokens=NEW, method=method, schedule="gather", **_kwargs(method))
+    out = hispec_models["opt"].generate(PROMPTS, max_new_tokens=NEW, schedule="gather", **_kwargs(method))
     assert out.sequences == alone["opt", method]
 
 
@@ -169,7 +169,7 @@ def test_gather_policy_does_not_starve_verification_under_steady_arrivals(hispec
 @pytest.mark.parametrize("method", METHODS)
 def test_max_num_seqs_caps_the_running_batch(method, hispec_models, alone):
     model = hispec_models["llama"]
-    server = model.build_engine(method=method, max_new_tokens=NEW, max_num_seqs=3, **_kwargs(method))
+    server = model.build_engine(max_new_tokens=NEW, max_num_seqs=3, **_kwargs(method))
     ids = [server.add_request(p) for p in PROMPTS[:8]]
     most = 0
     while server.has_unfinished():
@@ -184,7 +184,7 @@ def test_max_num_seqs_caps_the_running_batch(method, hispec_models, alone):
 @pytest.mark.parametrize("method", METHODS)
 def test_chunked_prefill_gives_the_same_tokens(arch, method, hispec_models, alone):
     """Prompts prefilled a few tokens per step (beside rows that decode) change no token."""
-    out = hispec_models[arch].generate(PROMPTS, max_new_tokens=NEW, method=method, prefill_chunk=3, **_kwargs(method))
+    out = hispec_models[arch].generate(PROMPTS, max_new_tokens=NEW, prefill_chunk=3, **_kwargs(method))
     assert out.sequences == alone[arch, method]
 
 

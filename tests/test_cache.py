@@ -9,7 +9,7 @@ from hispec_decode.engine.context_states import ContextStates
 from hispec_decode.engine.model_runner import ModelRunner
 from hispec_decode.engine.sequence import BandRequest, Sequence
 
-from conftest import ARCHS
+from conftest import ARCHS, read_by
 
 
 def _allocated(seq: Sequence) -> Sequence:
@@ -26,7 +26,8 @@ def _band_of(layer: int, exits: tuple[int, ...]) -> int:
 def test_paged_cache_equals_fresh_forward(arch, method, hispec_models):
     model = hispec_models[arch]
     runner = model.runner
-    server = model.build_engine(method=method, num_blocks=64, block_size=4, draft_layer=2, verify_layer=4, window=3, num_draft=3)
+    server = model.build_engine(num_blocks=64, block_size=4, **read_by(method, draft_layer=2, verify_layer=4, window=3,
+                                                                       num_draft=3))
     server.add_request([5, 9, 2, 6, 5, 3], max_new_tokens=60)
     server.add_request([1, 2], max_new_tokens=60)  # a neighbour, so blocks interleave
     for steps in (3, 8, 13):

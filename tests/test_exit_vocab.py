@@ -13,7 +13,7 @@ from hispec_decode.adapter import CONFIG_NAME, ExitSpec
 from hispec_decode.engine.model_runner import ModelRunner
 from hispec_decode.errors import AdapterError
 
-from conftest import ARCHS, VOCAB
+from conftest import ARCHS, VOCAB, read_by
 
 PROMPTS = [[7], [3, 14, 15, 92, 65], [(i * 37 + 11) % VOCAB for i in range(17)]]
 NEW = 24
@@ -37,7 +37,7 @@ def test_reduced_exit_vocabulary_is_lossless(arch, tiny_models, hispec_models, t
     assert any(t % 2 for ref in refs for t in ref), "the references must need tokens outside the exit vocabulary"
     for prompt, ref in zip(PROMPTS, refs):
         for method in ("hispec", "self_spec"):
-            out = model.generate([prompt], max_new_tokens=NEW, method=method, window=4, num_draft=3)
+            out = model.generate([prompt], max_new_tokens=NEW, **read_by(method, window=4, num_draft=3))
             assert out.sequences[0] == ref, method
     assert model.generate(PROMPTS, max_new_tokens=NEW, method="hispec").sequences == refs
 

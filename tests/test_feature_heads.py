@@ -15,7 +15,7 @@ from hispec_decode.engine.model_runner import ModelRunner
 from hispec_decode.engine.sequence import BandRequest, Sequence
 from hispec_decode.models.feature_head import unrolled_attention
 
-from conftest import ARCHS, LOSSLESS_NEW as NEW, LOSSLESS_PROMPTS as PROMPTS
+from conftest import ARCHS, LOSSLESS_NEW as NEW, LOSSLESS_PROMPTS as PROMPTS, read_by
 
 
 def _randomise(adapter: HiSpecAdapter, scale: float = 0.2, seed: int = 1) -> None:
@@ -147,6 +147,6 @@ def test_bf16_batch_invariant_feature_heads_equal_own_autoregressive(arch, hispe
     alone = [model.generate([p], max_new_tokens=NEW, method="autoregressive").sequences[0] for p in prompts]
     always = dict(draft_threshold=0.0, verify_threshold=0.0, batch_aware=False)  # speculate at any batch size
     for kw in (dict(method="hispec", window=4, num_draft=3, **always),
-               dict(method="self_spec", num_draft=3, tree="dynamic", tree_nodes=5, tree_width=2, **always)):
+               read_by("self_spec", num_draft=3, tree="dynamic", tree_nodes=5, tree_width=2, **always)):
         assert [model.generate([p], max_new_tokens=NEW, **kw).sequences[0] for p in prompts] == alone, kw
         assert model.generate(prompts, max_new_tokens=NEW, **kw).sequences == alone, kw

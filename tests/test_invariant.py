@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ARCHS, VOCAB, identity_above, save_tiny, zero_head
+from conftest import ARCHS, VOCAB, identity_above, read_by, save_tiny, zero_head
 from hispec_decode import HiSpecAdapter
 from hispec_decode.adapter import ExitSpec
 from hispec_decode.layers.linear import FusedLinear
@@ -101,7 +101,7 @@ def _bf16_equal_to_autoregressive(model, methods=SPECULATIVE, batch_sizes=(1, 2,
     for b in batch_sizes:
         assert model.generate(PROMPTS[:b], max_new_tokens=NEW, method="autoregressive").sequences == alone[:b]
         for method, kwargs in methods:
-            out = model.generate(PROMPTS[:b], max_new_tokens=NEW, method=method, **kwargs, **FIXED)
+            out = model.generate(PROMPTS[:b], max_new_tokens=NEW, **read_by(method, **kwargs, **FIXED))
             assert out.sequences == alone[:b], (b, method, kwargs)
             stats.append(out.stats)
     return stats

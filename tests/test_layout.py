@@ -11,8 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hispec_decode"
 # bottom to top; a module imports from its own package and from lower layers only
 LAYERS = [
     {"errors", "version"},
-    {"validation", "knobs", "files", "data", "kernels", "extras"},  # field checks, policy knobs, atomic writes, prompt
-    # sets; compiled ops; optional extras
+    {"validation", "knobs", "files", "data", "kernels", "extras", "hub"},  # field checks, policy knobs, atomic
+    # writes, prompt sets; compiled ops; optional extras; can a Hub name be fetched
     {"inputs", "cache", "machine"},  # prompts as checked rows; block manager (torch-free) and paged K/V; the CPU
     {"sampling_params", "layers"},  # per-request settings; attention and linears
     {"config"},  # per-engine settings

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ARCHS, assert_first_two_tokens_follow, chi_square, chi_square_critical
+from conftest import ARCHS, assert_first_two_tokens_follow, read_by, chi_square, chi_square_critical
 from hispec_decode import HiSpecModel
 from hispec_decode.decoding.lookup import lookup
 from hispec_decode.decoding.sampling import SamplingParams, TokenSampler
@@ -47,12 +47,12 @@ def test_greedy_with_lookup_equals_transformers(arch, method, tiny_models, hispe
     for prompt in REPEATING:
         want = tiny.hf_generate(prompt, 16)
         for exit_drafts in (0.0, 1.5):  # lookup before the exit's drafts, and lookup alone
-            out = model.generate([prompt], max_new_tokens=16, method=method, draft_layer=1, verify_layer=3, window=3,
-                                 num_draft=2, draft_threshold=exit_drafts, lookup=8)
+            out = model.generate([prompt], max_new_tokens=16, **read_by(method, draft_layer=1, verify_layer=3, window=3,
+                                                                        num_draft=2, draft_threshold=exit_drafts, lookup=8))
             assert out.sequences[0] == want, (prompt, exit_drafts)
             copied += out.stats["copied"]
     assert copied > 0, "prompt lookup found nothing to copy: this test tests nothing"
-    batch = model.generate(REPEATING, max_new_tokens=16, method=method, draft_layer=1, verify_layer=3, lookup=8)
+    batch = model.generate(REPEATING, max_new_tokens=16, **read_by(method, draft_layer=1, verify_layer=3, lookup=8))
     assert batch.sequences == [tiny.hf_generate(p, 16) for p in REPEATING]
 
 
@@ -64,8 +64,8 @@ def test_samples_with_lookup_follow_base_distribution(small_vocab_model, method)
     model = HiSpecModel.from_pretrained(str(path))
     prompt = [3, 1, 4, 1, 5, 3, 1]
     params = SamplingParams(do_sample=True, temperature=0.9)
-    out = model.generate([prompt] * 3000, max_new_tokens=2, method=method, do_sample=True, temperature=0.9,
-                         seed=99, draft_layer=1, verify_layer=2, window=2, num_draft=1, draft_threshold=1.5, lookup=4)
+    out = model.generate([prompt] * 3000, max_new_tokens=2, do_sample=True, temperature=0.9, seed=99, **read_by(
+        method, draft_layer=1, verify_layer=2, window=2, num_draft=1, draft_threshold=1.5, lookup=4))
     assert out.stats["copied"] >= 3000  # every row copied at its first position
     assert_first_two_tokens_follow(out.sequences, reference, params, prompt)
 

@@ -8,7 +8,7 @@ import torch
 from hispec_decode import HiSpecAdapter, kernels
 from hispec_decode.adapter import ExitSpec
 
-from conftest import ARCHS, LAYERS, identity_above, save_tiny, zero_head
+from conftest import ARCHS, LAYERS, identity_above, read_by, save_tiny, zero_head
 from conftest import LOSSLESS_NEW as NEW
 from conftest import LOSSLESS_PROMPTS as PROMPTS
 
@@ -52,8 +52,8 @@ def test_torch_fallbacks_match_transformers(arch, tiny_models, references):
         model = tiny_models[arch].load()
         for n, prompt in PROMPTS.items():
             for method in ("autoregressive", "hispec"):
-                out = model.generate([prompt], max_new_tokens=NEW, method=method, draft_layer=1, verify_layer=3,
-                                     window=4, num_draft=3)
+                out = model.generate([prompt], max_new_tokens=NEW, **read_by(method, draft_layer=1, verify_layer=3,
+                                                                             window=4, num_draft=3))
                 assert out.sequences[0] == references[arch, n], (method, n)
         batch = model.generate(list(PROMPTS.values()), max_new_tokens=NEW, method="hispec", draft_layer=1,
                                verify_layer=3)
@@ -69,8 +69,8 @@ def test_stops_at_eos_like_transformers(arch, method, tiny_models, hispec_models
         eos = full[cut]
         ref = tiny_models[arch].hf_generate(prompt, NEW, eos_token_id=eos)
         assert ref == full[: full.index(eos) + 1]
-        out = hispec_models[arch].generate([prompt], max_new_tokens=NEW, method=method, eos_token_id=eos,
-                                           draft_layer=2, verify_layer=4, window=4, num_draft=3)
+        out = hispec_models[arch].generate([prompt], max_new_tokens=NEW, eos_token_id=eos, **read_by(
+            method, draft_layer=2, verify_layer=4, window=4, num_draft=3))
         assert out.sequences[0] == ref
         assert out.stats["new_tokens"] == len(ref)
 

@@ -6,6 +6,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from conftest import read_by
 from hispec_decode import HiSpecModel
 from hispec_decode.adapter import compute_fingerprint, fingerprints_match
 
@@ -29,6 +30,6 @@ def test_lora_adapter_directory_is_merged(tiny_models, tmp_path):
                           pad_token_id=0)[0, len(prompt):].tolist()
     assert ref != tiny_models["llama"].hf_generate(prompt, 16)  # the adapter changes the output ...
     for method in ("autoregressive", "hispec"):  # ... and HiSpec decodes the merged model exactly
-        assert hm.generate([prompt], max_new_tokens=16, method=method, draft_layer=1, verify_layer=3).sequences[0] == ref
+        assert hm.generate([prompt], max_new_tokens=16, **read_by(method, draft_layer=1, verify_layer=3)).sequences[0] == ref
     assert fingerprints_match(compute_fingerprint(merged), compute_fingerprint(hm.base_model))
     assert not fingerprints_match(compute_fingerprint(tiny_models["llama"].reference), compute_fingerprint(hm.base_model))

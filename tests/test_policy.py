@@ -17,7 +17,7 @@ from hispec_decode.engine.strategies import STRATEGIES, run_alone
 from hispec_decode.cache.block_manager import BlockManager
 from hispec_decode.engine.sequence import Sequence
 
-from conftest import ARCHS, SAMPLE_PROMPT, chi_square, chi_square_critical, exact_two_token_distribution
+from conftest import ARCHS, SAMPLE_PROMPT, read_by, chi_square, chi_square_critical, exact_two_token_distribution
 from conftest import LOSSLESS_NEW as NEW
 from conftest import LOSSLESS_PROMPTS as PROMPTS
 
@@ -69,9 +69,9 @@ def test_thresholded_sampling_follows_the_base_distribution(small_vocab_model, t
     path, reference = small_vocab_model
     model = HiSpecModel.from_pretrained(str(path))
     params, draws = SamplingParams(do_sample=True, temperature=0.9), 3000
-    out = model.generate([SAMPLE_PROMPT] * draws, max_new_tokens=2, method=method, do_sample=True, temperature=0.9,
-                         seed=321, draft_layer=1, verify_layer=2, window=3, num_draft=2,
-                         draft_threshold=thresholds[0], verify_threshold=thresholds[1])
+    out = model.generate([SAMPLE_PROMPT] * draws, max_new_tokens=2, do_sample=True, temperature=0.9, seed=321,
+                         **read_by(method, draft_layer=1, verify_layer=2, window=3, num_draft=2,
+                                   draft_threshold=thresholds[0], verify_threshold=thresholds[1]))
     counts: dict[tuple[int, int], int] = {}
     for seq in out.sequences:
         counts[tuple(seq[:2])] = counts.get(tuple(seq[:2]), 0) + 1

@@ -18,7 +18,7 @@ import torch
 from hispec_decode import HiSpecModel
 from hispec_decode.decoding.sampling import SamplingParams, TokenSampler, acceptance_probability, residual, warp
 
-from conftest import (BATCH_PROMPTS, SAMPLE_PROMPT, assert_first_two_tokens_follow, chi_square, chi_square_critical,
+from conftest import (BATCH_PROMPTS, read_by, SAMPLE_PROMPT, assert_first_two_tokens_follow, chi_square, chi_square_critical,
                       exact_two_token_distribution)
 
 
@@ -84,9 +84,9 @@ def test_end_to_end_samples_follow_base_distribution(small_vocab_model, params, 
     path, reference = small_vocab_model
     model = HiSpecModel.from_pretrained(str(path))
     draws = 3000
-    out = model.generate([SAMPLE_PROMPT] * draws, max_new_tokens=2, method=method, do_sample=True,
-                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=1234,
-                         drafter_invariant=drafter_invariant, draft_layer=1, verify_layer=2, window=2, num_draft=2)
+    out = model.generate([SAMPLE_PROMPT] * draws, max_new_tokens=2, do_sample=True, temperature=params.temperature,
+                         top_k=params.top_k, top_p=params.top_p, seed=1234, drafter_invariant=drafter_invariant,
+                         **read_by(method, draft_layer=1, verify_layer=2, window=2, num_draft=2))
     if method != "autoregressive":  # the exits must disagree with the final layer for this to test anything
         assert out.stats["acceptance_final"] < 0.95
     assert_first_two_tokens_follow(out.sequences, reference, params)
@@ -98,8 +98,8 @@ def test_gemma3_samples_follow_base_distribution(small_vocab_gemma, method):
     path, reference = small_vocab_gemma
     model = HiSpecModel.from_pretrained(str(path))
     params = SamplingParams(do_sample=True, temperature=0.8)
-    out = model.generate([SAMPLE_PROMPT] * 3000, max_new_tokens=2, method=method, do_sample=True, temperature=0.8,
-                         seed=4321, draft_layer=1, verify_layer=2, window=2, num_draft=2)
+    out = model.generate([SAMPLE_PROMPT] * 3000, max_new_tokens=2, do_sample=True, temperature=0.8, seed=4321,
+                         **read_by(method, draft_layer=1, verify_layer=2, window=2, num_draft=2))
     if method != "autoregressive":
         assert out.stats["acceptance_final"] < 0.95
     assert_first_two_tokens_follow(out.sequences, reference, params)
@@ -127,8 +127,8 @@ def test_reduced_exit_vocabulary_keeps_the_distribution(small_vocab_model, metho
     adapter.save_pretrained(tmp_path / "heads")
     model = HiSpecModel.from_pretrained(str(path), heads=str(tmp_path / "heads"))
     params, draws = SamplingParams(do_sample=True), 3000
-    out = model.generate([SAMPLE_PROMPT] * draws, max_new_tokens=2, method=method, do_sample=True, seed=99,
-                         draft_layer=1, verify_layer=2, window=2, num_draft=2)
+    out = model.generate([SAMPLE_PROMPT] * draws, max_new_tokens=2, do_sample=True, seed=99,
+                         **read_by(method, draft_layer=1, verify_layer=2, window=2, num_draft=2))
     assert out.stats["acceptance_final"] < 0.95
     counts: dict[tuple[int, int], int] = {}
     for seq in out.sequences:

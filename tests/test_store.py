@@ -21,6 +21,7 @@ from hispec_train.trainer import base_forward, train
 from hispec_train.vocab import exit_vocabulary
 
 from conftest import TEXT_PROMPTS as PROMPTS
+from conftest import read_by
 
 def _distill_cfg(base: Path, prompts: Path, out: Path, **kw) -> SelfDistillConfig:
     keys = dict(out=str(out), base=str(base), dtype="float32", prompts=[str(prompts)], max_tokens=400,
@@ -262,7 +263,7 @@ def test_new_head_types_train_from_the_store_export_and_decode_losslessly(head_t
         ids = torch.tensor([prompt])
         ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
         for method in ("self_spec", "hispec"):
-            out = model.generate([prompt], max_new_tokens=24, method=method, window=3, num_draft=3)
+            out = model.generate([prompt], max_new_tokens=24, **read_by(method, window=3, num_draft=3))
             assert out.sequences[0] == ref[0, len(prompt):].tolist(), method
     if head_type == "feature_attention":  # measured beside the untrained exits, as drafting needs it
         from hispec_train.eval_heads import main as eval_main

@@ -27,7 +27,7 @@ from hispec_train.export import export
 from hispec_train.trainer import base_forward, train
 from hispec_train.vocab import exit_vocabulary
 
-from conftest import save_char_tokenizer, save_tiny, write_conversations
+from conftest import read_by, save_char_tokenizer, save_tiny, write_conversations
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -385,7 +385,7 @@ def test_decoder_block_heads_train_export_and_decode_losslessly(trainable_base, 
         ids = torch.tensor([prompt])
         ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
         for method in ("self_spec", "hispec"):
-            out_ = model.generate([prompt], max_new_tokens=24, method=method, window=3, num_draft=3)
+            out_ = model.generate([prompt], max_new_tokens=24, **read_by(method, window=3, num_draft=3))
             assert out_.sequences[0] == ref[0, len(prompt):].tolist(), method
     batched = model.generate(prompts, max_new_tokens=24, method="hispec", window=3, num_draft=3)
     assert batched.sequences == [model.generate([p], max_new_tokens=24, method="hispec", window=3,

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import read_by
 from hispec_decode import HiSpecAdapter, HiSpecModel
 from hispec_decode.adapter.config import CALIBRATION_NAME
 from hispec_decode.adapter import ExitSpec
@@ -48,10 +49,10 @@ def test_replay_counts_what_real_decoding_does(tuned_setup, gates, method):
     exact = 0
     for prompt, continuation in zip(PROMPTS, plain.sequences):
         trace = record_trace(model.runner, model.base_model, prompt, continuation, [2, 4], 20)
-        policy = model.policy(method=method, draft_layer=2, verify_layer=4, batch_aware=False, **gates)
+        policy = model.policy(**read_by(method, draft_layer=2, verify_layer=4, batch_aware=False, **gates))
         simulated = replay(trace, method, policy, costs, model.num_layers, model.decoder.default_eos_ids())
-        real = model.generate([prompt], max_new_tokens=20, method=method, draft_layer=2, verify_layer=4,
-                              batch_aware=False, **gates)
+        real = model.generate([prompt], max_new_tokens=20, **read_by(method, draft_layer=2, verify_layer=4,
+                                                                     batch_aware=False, **gates))
         sim, got = simulated.counters, real.seqs[0].counters
         assert simulated.tokens == len(real.sequences[0]) and simulated.seconds > 0
         assert abs(sim.calls_full - got.calls_full) <= max(1, 0.15 * got.calls_full), (sim, got)

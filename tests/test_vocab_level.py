@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from conftest import ARCHS, BATCH_PROMPTS, LAYERS, VOCAB, assert_first_two_tokens_follow
+from conftest import ARCHS, BATCH_PROMPTS, LAYERS, VOCAB, assert_first_two_tokens_follow, read_by
 from conftest import LOSSLESS_NEW as NEW
 from conftest import LOSSLESS_PROMPTS as PROMPTS
 from hispec_decode import HiSpecModel
@@ -67,8 +67,9 @@ def test_greedy_with_vocab_level_equals_transformers(arch, hispec_models, refere
             for method, draft_layer, verify_layer in HIERARCHIES:
                 accepted = checked = 0
                 for n, prompt in PROMPTS.items():
-                    out = model.generate([prompt], max_new_tokens=NEW, method=method, draft_layer=draft_layer,
-                                         verify_layer=verify_layer, window=3, num_draft=2, vocab=size, vocab_window=3)
+                    out = model.generate([prompt], max_new_tokens=NEW, **read_by(
+                        method, draft_layer=draft_layer, verify_layer=verify_layer, window=3, num_draft=2, vocab=size,
+                        vocab_window=3))
                     assert out.sequences[0] == references[arch, n], (name, method, draft_layer, verify_layer, n)
                     if draft_layer == LAYERS:  # L_v's drafts, checked by the full head
                         top = out.stats["levels"][-1]
@@ -156,9 +157,9 @@ def test_bf16_batch_invariant_vocab_level_equals_own_autoregressive(arch, tiny_m
     for method, draft_layer, verify_layer in HIERARCHIES:
         for extra in ({}, {"lookup": 4, "drafting": "union"}):
             for b in (1, 3):
-                out = model.generate(prompts[:b], max_new_tokens=NEW, method=method, draft_layer=draft_layer,
-                                     verify_layer=verify_layer, vocab=VOCAB // 2, vocab_window=3, num_draft=2,
-                                     guard=False, batch_aware=False, **extra)
+                out = model.generate(prompts[:b], max_new_tokens=NEW, **read_by(
+                    method, draft_layer=draft_layer, verify_layer=verify_layer, vocab=VOCAB // 2, vocab_window=3,
+                    num_draft=2, guard=False, batch_aware=False, **extra))
                 assert out.sequences == alone[:b], (method, draft_layer, verify_layer, extra, b)
                 checked += out.stats["levels"][-1]["checked"]
     assert checked > 0
@@ -175,7 +176,7 @@ def test_drafter_invariant_samples_with_vocab_level_are_the_same_text(method, dr
              for i, p in enumerate(prompts)]
     with ranked(model, torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))):
         for b in (1, 3):
-            out = model.generate(prompts[:b], method=method, draft_layer=draft_layer, verify_layer=verify_layer,
-                                 vocab=VOCAB // 2, vocab_window=3, num_draft=2, **kwargs)
+            out = model.generate(prompts[:b], **read_by(method, draft_layer=draft_layer, verify_layer=verify_layer,
+                                                         vocab=VOCAB // 2, vocab_window=3, num_draft=2), **kwargs)
             assert out.sequences == alone[:b], b
             assert out.stats["levels"][-1]["checked"] > 0

@@ -23,7 +23,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..errors import AdapterError
+from ..errors import AdapterError, HiSpecError
+from ..hub import check_fetchable
 from ..files import atomic_file, clean_stale
 from ..models.exit_heads import ExitHead, check_vocab
 from ..models.head_types import build_head, head_class
@@ -162,14 +163,34 @@ class HiSpecAdapter(nn.Module):
         return str(info)
 
 
+def check_source(source: object, revision: object = None) -> None:
+    """Fail before any work where ``source`` cannot name an adapter: its type, or a Hub id that cannot
+    be fetched (not cached and the Hub unreachable)."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise AdapterError(f"heads must be a path, a Hub repo id, 'none' or None; got {type(source).__name__} "
+                           f"{source!r:.60}")
+    if revision is not None and not isinstance(revision, str):
+        raise AdapterError(f"revision must be a string or None; got {type(revision).__name__} {revision!r:.60}")
+    if not Path(source).exists() and _hub_shaped(source):
+        try:
+            check_fetchable(str(source), "adapter", CONFIG_NAME)
+        except HiSpecError as exc:
+            raise AdapterError(str(exc)) from None
+
+
+def _hub_shaped(source: str | os.PathLike) -> bool:
+    return str(source).count("/") == 1 and not str(source).startswith((".", "/"))
+
+
 def _resolve(source: str | os.PathLike, revision: str | None) -> Path:
+    check_source(source, revision)
     path = Path(source)
     clean_stale(path)  # a writer killed mid-swap may have left the previous version aside
     if path.exists():
         if not path.is_dir():
             raise AdapterError(f"{path} is a file; an adapter is a directory holding {CONFIG_NAME} and {WEIGHTS_NAME}")
         return path
-    if str(source).count("/") == 1 and not str(source).startswith((".", "/")):
+    if _hub_shaped(source):
         from huggingface_hub import snapshot_download
 
         try:

@@ -78,6 +78,7 @@ class LLMEngine:
             raise unknown_arguments(unknown, SAMPLING_FIELDS, "request")
         params = checked(sampling_params or self.sampling_params, SamplingParams, "sampling_params").replace(**overrides)
         decoder = self.runner.decoder
+        params.check_vocab(decoder.vocab_size)
         (row,) = prompt_rows([prompt], decoder.vocab_size, decoder.max_positions)
         limit = min(len(row) + params.max_new_tokens, decoder.max_positions)
         manager = self.cache.manager

@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from ..errors import HiSpecError
+from ..hub import check_fetchable
 from ..files import atomic_directory, check_writable, clean_stale, write_text
 from .gguf_file import read_header
 from .registry import check_supported
@@ -291,6 +292,9 @@ def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = 
     A PEFT LoRA checkpoint directory (``adapter_config.json`` naming its base) is loaded and merged."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if base is not None and not isinstance(base, (str, os.PathLike)):
+        raise HiSpecError(f"base must be a path, a Hub id, a packaged base's name or None; got {type(base).__name__} "
+                          f"{base!r:.60}")
     torch_dtype = parse_dtype(dtype)
     revision = None
     packaged = DEFAULT_BASE if base is None else PACKAGED_BASES.get(str(base))
@@ -308,6 +312,8 @@ def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = 
     else:
         if (source.startswith((".", "/", "~")) or path.exists()) and not path.is_dir():
             raise HiSpecError(f"base model directory {source} not found")
+        if not path.is_dir():  # a Hub id: fail at once where it cannot be fetched
+            check_fetchable(source, "base model", "config.json")
         if (path / "config.json").is_file():  # name the architecture even if transformers does not know it
             check_supported(str(_json_object(path / "config.json").get("model_type")))
         try:

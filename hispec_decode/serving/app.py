@@ -37,6 +37,7 @@ class ServerConfig:
     model_name: str
     api_key: str | None = None
     max_queue: int = 256  # requests waiting for a place in the batch before new ones get 503
+    max_request_choices: int = 64  # choices (prompts x n) one request may ask for; more get 400 at once
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     shutdown_timeout: float = 10.0  # seconds running requests may take to finish on SIGTERM
 
@@ -134,19 +135,35 @@ def build_app(model: HiSpecModel, engine: LLMEngine, config: ServerConfig, engin
             if req.min_tokens and len(prompt) + req.min_tokens > context:
                 raise ServerError(400, f"the prompt has {len(prompt)} tokens; this model's context holds {context}, "
                                        f"leaving no room for min_tokens ({req.min_tokens})", "min_tokens")
+        choices = len(prompts) * req.n
+        limit = config.max_request_choices
+        if choices > limit:
+            raise ServerError(400, f"this request asks for {choices} choices ({len(prompts)} prompts x n={req.n}); "
+                                   f"this server takes at most {limit} per request", "prompt" if len(prompts) > 1
+                              else "n")
+        longest = max(len(p) for p in prompts)
+        if max_tokens is not None and longest + max_tokens > context:
+            raise ServerError(400, f"this model's context holds {context} tokens; the prompt has {longest} and "
+                                   f"max_tokens asks for {max_tokens} more ({longest + max_tokens})", "max_tokens",
+                              code="context_length_exceeded")
         stop = req.stop_strings()
         fields: dict[str, Any] = {}
         if req.hispec.ignore_eos or req.stop_token_ids:  # vLLM's stop_token_ids end a choice as EOS does
             eos = set() if req.hispec.ignore_eos else set(default_eos)
             fields["eos_token_id"] = tuple(sorted(eos | set(req.stop_token_ids or ())))
+        sample = (req.temperature if req.temperature is not None else 1.0) > 0
+        if sample:  # temperature 0 is greedy decoding, which reads none of the sampling fields (OpenAI's rule)
+            fields |= {"temperature": req.temperature or 1.0, "top_p": req.top_p if req.top_p is not None else 1.0,
+                       "top_k": req.hispec.top_k, "drafter_invariant": req.hispec.drafter_invariant}
         try:  # the request's OpenAI fields onto the engine's SamplingParams (choice i samples with seed + i)
             sampling = engine.sampling_params.replace(
-                max_new_tokens=max_tokens or context - max(len(p) for p in prompts),
-                do_sample=(req.temperature if req.temperature is not None else 1.0) > 0,
-                temperature=req.temperature or 1.0, top_p=req.top_p if req.top_p is not None else 1.0,
-                top_k=req.hispec.top_k, seed=req.seed, drafter_invariant=req.hispec.drafter_invariant, **fields)
+                max_new_tokens=max_tokens or context - longest, do_sample=sample, seed=req.seed, **fields)
+            sampling.check_vocab(vocab)
         except HiSpecError as exc:
             raise ServerError(400, str(exc)) from None
+        if req.hispec.top_k > vocab:  # checked at temperature 0 too: a value no request of this model can use
+            raise ServerError(400, f"top_k={req.hispec.top_k} exceeds the vocabulary ({vocab} tokens); 0 or -1 "
+                                   f"samples from all", "top_k")
         options = req.stream_options
         job = Job(chat, config.model_name, prompts, req.n, sampling, stop, req.stream,
                   bool(req.stream and options is not None and options.include_usage), req.return_token_ids,
@@ -155,7 +172,10 @@ def build_app(model: HiSpecModel, engine: LLMEngine, config: ServerConfig, engin
         await run.submit()
         if req.stream:
             return CompletionStream(run)
-        return JSONResponse(await run.answer(request.is_disconnected))
+        answer = await run.answer(request.is_disconnected)
+        if answer is None:  # the client went away: nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(answer)
 
     return app
 

@@ -103,6 +103,16 @@ class AsyncEngine:
     def wait_ready(self, timeout: float) -> bool:
         return self._ready.wait(timeout)
 
+    def check_room(self, choices: int) -> None:
+        """Refuse (503) a request whose ``choices`` would not all find a place in the queue now (an empty
+        queue takes any request), before any of them is added."""
+        if not self.accepting:
+            raise ServerError(503, "the server is shutting down", code="shutting_down")
+        waiting = self.in_flight - self.snapshot.running
+        if waiting and waiting + choices > self.max_queue:
+            raise ServerError(503, f"the server is overloaded ({waiting} requests wait, {self.max_queue} may); retry "
+                                   f"later", code="queue_full")
+
     async def add(self, prompt: list[int], sampling_params: SamplingParams,
                   events: asyncio.Queue | None = None) -> RequestHandle:
         """Queue a request whose events go to ``events`` (several requests may share one queue:

@@ -97,6 +97,7 @@ class CompletionRun:
     async def submit(self) -> None:
         job = self.job
         seed = job.sampling.seed
+        self.engine.check_room(len(job.prompts) * job.n)  # all of its choices, or none
         try:
             for p, prompt in enumerate(job.prompts):
                 for i in range(job.n):
@@ -132,14 +133,20 @@ class CompletionRun:
             return choice, delta
 
     # -- non-streamed ------------------------------------------------------------------------
-    async def answer(self, is_disconnected) -> dict[str, Any]:
+    async def answer(self, is_disconnected) -> dict[str, Any] | None:
+        """The whole response, or None if the client went away first (its choices are aborted)."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         try:
             while self._unfinished():
                 try:
                     await asyncio.wait_for(self._next(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    pass
+                if loop.time() - checked >= DISCONNECT_POLL_S:  # also while tokens flow
+                    checked = loop.time()
                     if await is_disconnected():
-                        raise asyncio.CancelledError("client disconnected") from None
+                        return None
             return self._response()
         finally:
             self._finish()

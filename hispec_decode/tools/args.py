@@ -12,8 +12,8 @@ import dataclasses
 import typing
 from typing import Any
 
-from ..config import METHODS, SCHEDULES, SpeculativeConfig
-from ..knobs import TUNABLE
+from ..config import METHODS, SCHEDULES, SpeculativeConfig, for_method
+from ..knobs import KNOB, TUNABLE
 
 POLICY_ARGS = (*TUNABLE, "batch_aware")  # the SpeculativeConfig fields benchmarks take: every policy knob
 SAMPLING_ARGS = ("do_sample", "temperature", "top_k", "top_p", "seed")  # the SamplingParams fields benchmarks take
@@ -122,6 +122,14 @@ def variant_for(model: Any, spec: str, config: SpeculativeConfig) -> dict[str, A
             if getattr(config, key) is None and roles.layer_for(role) is not None:
                 overrides[key] = roles.layer_for(role)
     return overrides
+
+
+def method_settings(model: Any, spec: str, config: SpeculativeConfig) -> tuple[SpeculativeConfig, dict[str, Any]]:
+    """What one benchmarked ``spec`` runs with: ``config`` (the command line's knobs) for the spec's method,
+    the knobs that method does not read unset, and the variant's other overrides (:func:`variant_for`)."""
+    overrides = variant_for(model, spec, config)
+    method = overrides.pop("method")
+    return for_method(config, method), {k: v for k, v in overrides.items() if k not in KNOB or method in KNOB[k].methods}
 
 
 def method_variant(spec: str) -> dict[str, Any]:

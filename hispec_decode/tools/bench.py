@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from .. import machine
 from ..cache.block_manager import DEFAULT_BLOCK_SIZE
-from ..config import SpeculativeConfig
+from ..config import SpeculativeConfig, for_method
 from ..data.prompts import CHAT_FREE, CHAT_PROMPTS, PROMPT_SETS, encode_prompt, prompt_set
 from ..engine.sequence import BandRequest, Counters, Sequence
 from ..errors import HiSpecError
@@ -41,8 +41,8 @@ from .args import (
     add_model_args,
     autoregressive_of,
     config_overrides,
+    method_settings,
     method_variant,
-    variant_for,
 )
 from .cli import add_debug_arg, positive_int, positive_int_list, run_cli
 from .profile_split import profile_split
@@ -142,7 +142,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         tallies = {m: Tally() for m in methods}
         for m in methods:  # warm-up: first calls allocate and tune kernels
             if m != "transformers":
-                models(m).generate([prompts[0]], sampling, config, max_new_tokens=8, **variant_for(models(m), m, config))
+                settings, overrides = method_settings(models(m), m, config)
+                models(m).generate([prompts[0]], sampling, settings, **(overrides | {"max_new_tokens": 8}))
             else:
                 _hf_generate(model, prompts[0], 8)
         for i, prompt in enumerate(tqdm(prompts, desc=f"bench {dtype}", unit="prompt")):
@@ -152,7 +153,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     tokens = _hf_generate(model, prompt, args.max_new_tokens)
                     counters = Counters()
                 else:
-                    out = models(m).generate([prompt], sampling, config, **variant_for(models(m), m, config))
+                    settings, overrides = method_settings(models(m), m, config)
+                    out = models(m).generate([prompt], sampling, settings, **overrides)
                     tokens, counters = out.seqs[0].new_tokens, out.seqs[0].counters
                     tallies[m].levels = [level["level"] for level in out.stats["levels"]]
                 tally = tallies[m]
@@ -165,18 +167,18 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for tally in tallies.values():
             if baseline is not None:
                 tally.matches = sum(a == b for a, b in zip(tally.outputs, baseline.outputs))
-        policy = model.policy(config, method="hispec")
+        policy = model.policy(for_method(config, "hispec"))
         rows = {m: t.row(baseline, tallies.get(autoregressive_of(m))) for m, t in tallies.items()}
         bandwidth = max(bandwidth, memory_bandwidth())
         results["dtypes"][dtype] = {
             "methods": rows,
             "roofline": roofline(model.base_model, {m: r["tokens_per_second"] for m, r in rows.items()}, bandwidth),
-            "policy": asdict(policy) | {"self_spec_num_draft": model.policy(config, method="self_spec").num_draft},
+            "policy": asdict(policy) | {"self_spec_num_draft": model.policy(for_method(config, "self_spec")).num_draft},
             "verification_wall": verification_wall(model, policy, prompts[0]),
         }
         if args.profile:
             results["dtypes"][dtype]["profile"] = profile_split(
-                lambda: model.generate([prompts[0]], sampling, config, method="autoregressive"))
+                lambda: model.generate([prompts[0]], sampling, for_method(config, "autoregressive")))
     return results
 
 

@@ -22,7 +22,7 @@ from ..engine.sequence import Counters
 from ..extras import pyplot
 from ..outputs import level_acceptance
 from ..sampling_params import SamplingParams
-from .args import autoregressive_of, variant_for
+from .args import autoregressive_of, method_settings
 
 
 @dataclass
@@ -85,7 +85,8 @@ def _decode(model, spec: str, batch: list[list[int]], sampling: SamplingParams, 
             eos: frozenset[int], schedule: str):
     if spec == "transformers":
         return hf_generate_padded(model, batch, sampling.max_new_tokens, eos), None
-    out = model.generate(batch, sampling, config, **({"schedule": schedule} | variant_for(model, spec, config)))
+    settings, overrides = method_settings(model, spec, config)
+    out = model.generate(batch, sampling, settings, **({"schedule": schedule} | overrides))
     return out.sequences, out
 
 

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
 from ..config import EngineConfig, SpeculativeConfig, field_names
 from ..errors import HiSpecError
@@ -26,6 +27,18 @@ from .cli import add_debug_arg, non_negative_float, port, positive_int, run_cli
 
 API_KEY_ENV = "HISPEC_API_KEY"
 HTTP_CLOSE_TIMEOUT_S = 5.0  # after the drain, how long uvicorn waits for connections to close
+
+
+def begin_drain(engine: Any, server: Any, timeout: float) -> None:
+    """SIGTERM's (or the first Ctrl-C's) effect: new requests get 503 from this moment on (the flag is set
+    here, not when the event loop gets to the drain), running ones get ``timeout`` seconds to finish, then
+    the HTTP server exits (``server.should_exit``). Before the engine's loop runs there is nothing to drain."""
+    if not engine.wait_ready(0):
+        server.should_exit = True
+        return
+    engine.accepting = False
+    done = engine.drain_threadsafe(timeout)
+    done.add_done_callback(lambda _: setattr(server, "should_exit", True))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--max-queue", type=positive_int, default=256,
                    help="requests that may wait for a place in the batch; more get HTTP 503 (default: 256)")
+    p.add_argument("--max-request-choices", type=positive_int, default=64,
+                   help="choices (prompts x n) one request may ask for; more get HTTP 400 (default: 64)")
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
                    help="seconds running requests get to finish on SIGTERM before they are aborted (default: 10)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -66,7 +81,8 @@ def _run(args: argparse.Namespace) -> int:
     model = HiSpecModel.from_pretrained(args.base, args.heads, dtype=args.dtype, batch_invariant=args.batch_invariant)
     engine = model.build_engine(speculative, engine_config)
     name = args.served_model_name or model.base_name
-    config = ServerConfig(name, args.api_key, args.max_queue, shutdown_timeout=args.shutdown_timeout)
+    config = ServerConfig(name, args.api_key, args.max_queue, args.max_request_choices,
+                          shutdown_timeout=args.shutdown_timeout)
     app = build_app(model, engine, config, engine_thread=False)
     policy = engine.policy
     log = logging.getLogger(__name__)
@@ -86,13 +102,8 @@ def _run(args: argparse.Namespace) -> int:
                 server.force_exit = server.should_exit = True
             return
         draining.set()
-        if not app.state.engine.wait_ready(0):  # still starting: nothing to drain
-            server.should_exit = True
-            return
         log.info("draining: new requests get 503, running ones have %ss to finish", args.shutdown_timeout)
-        # new requests get 503 at once; running ones finish or get a 503 after --shutdown-timeout; then HTTP stops
-        done = app.state.engine.drain_threadsafe(args.shutdown_timeout)
-        done.add_done_callback(lambda _: setattr(server, "should_exit", True))
+        begin_drain(app.state.engine, server, args.shutdown_timeout)
 
     signal.signal(signal.SIGTERM, handle_exit)
     signal.signal(signal.SIGINT, handle_exit)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..decoding.policy import Policy
+from ..knobs import KNOB
 from .costs import SEQS, CostModel
 from .simulate import Trace, replay
 
@@ -26,7 +27,8 @@ class Candidate:
     num_layers: int = 0  # the model's, when the policy may name it as its intermediate exit (no middle level)
 
     def kwargs(self) -> dict[str, Any]:
-        return {"method": self.method, **self.policy.knobs(), "batch_aware": False, "guard": False}
+        knobs = {k: v for k, v in self.policy.knobs().items() if self.method in KNOB[k].methods}
+        return {"method": self.method, **knobs, "batch_aware": False, "guard": False}
 
     def label(self) -> str:
         p = self.policy
