@@ -270,3 +270,102 @@ def test_killed_store_resumes_to_the_same_store(distilled, features, trainable_b
         shutil.rmtree(out)
 
     assert every_kill_point(write, check, [(store, "save_file")]) >= 10
+
+
+# -- SIGTERM and Ctrl-C in the middle of a long command, then --resume ------------------------------
+
+HOLD = """
+import importlib, pathlib, sys, time
+module, target, marker = sys.argv[1:4]
+owner_name, name = target.rsplit(":", 1)
+owner = importlib.import_module(owner_name)
+original, calls = getattr(owner, name), [0]
+
+def held(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 2:  # the first write is on disk: the second waits here until the signal comes
+        pathlib.Path(marker).touch()
+        time.sleep(600)
+    return original(*args, **kwargs)
+
+setattr(owner, name, held)
+sys.exit(importlib.import_module(module).main(sys.argv[4:]))
+"""
+
+
+def _signalled(module: str, target: str, argv: list[str], sig: int, tmp_path: Path) -> tuple[int, str]:
+    """Run ``module.main(argv)`` in a subprocess whose second call of ``target`` (``module:attribute``)
+    waits; send ``sig`` once it waits there (so the command is mid-way on any machine); its exit status
+    and standard error."""
+    import signal as _signal  # noqa: F401 - the caller passes one of its values
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / f"waiting-{module.rsplit('.', 1)[-1]}"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, module, target, str(marker), *argv],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the command never reached its second write"
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_signalled_commands_resume_to_the_same_result(sig, distilled, features, trainable_base, few_prompts,
+                                                      tmp_path):
+    """hispec-selfdistill, hispec-store and hispec-train, each stopped by a real signal while it waits
+    between two writes: one line and status 143 (SIGTERM) or 130 (Ctrl-C), nothing damaged, and
+    ``--resume`` ends with what an uninterrupted run makes."""
+    import signal
+
+    import torch
+
+    from hispec_decode import HiSpecAdapter
+    from hispec_train.config import load_config
+    from hispec_train.trainer import train
+
+    number = getattr(signal, sig)
+    status, word = (143, "terminated") if sig == "SIGTERM" else (130, "interrupted")
+    base = ["--base", str(trainable_base), "--dtype", "float32"]
+
+    out = tmp_path / "data"
+    argv = ["--out", str(out), *base, "--prompts", str(few_prompts), "--max-tokens", str(MAX_TOKENS),
+            "--max-new-tokens", "8", "--batch-size", "3", "--shard-records", "2"]
+    code, err = _signalled("hispec_train.selfdistill", "pyarrow.parquet:write_table", argv, number, tmp_path)
+    assert code == status and f"hispec-selfdistill: {word}" in err and "Traceback" not in err, err[-2000:]
+    assert 0 < len(_jobs(out)) < len(_jobs(distilled))
+    assert selfdistill.main([*argv, "--resume"]) == 0
+    assert sorted(_jobs(out)) == sorted(_jobs(distilled))
+    _manifest_is_the_disk(out)
+
+    stored = tmp_path / "features"
+    argv = ["--dataset", str(distilled), "--out", str(stored), "--layers", "1,3", *base, "--eval-sequences", "2",
+            "--shard-tokens", "120", "--batch-tokens", "200"]
+    code, err = _signalled("hispec_train.store", "hispec_train.store:save_file", argv, number, tmp_path)
+    assert code == status and f"hispec-store: {word}" in err and "Traceback" not in err, err[-2000:]
+    assert store.main([*argv, "--resume"]) == 0
+    assert _tree(stored) == _tree(features)
+
+    keys = dict(base=str(trainable_base), features=str(features), heads_layers="1,3", seq_len=16, batch_size=4,
+                max_steps=12, eval_every=4, save_every=4, lr=3e-3, warmup_steps=2, report_to="none", eval_batches=2)
+    full = train(load_config(None, {k: str(v) for k, v in (keys | {"output_dir": tmp_path / "full"}).items()}))
+    run = tmp_path / "run"
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in (keys | {"output_dir": run}).items()]
+    code, err = _signalled("hispec_train.cli", "hispec_train.trainer:save_checkpoint", argv, number, tmp_path)
+    assert code == status and f"hispec-train: {word}" in err and "Traceback" not in err, err[-2000:]
+    assert json.loads((run / "checkpoint" / "trainer_state.json").read_text())["step"] == 4
+    from hispec_train import cli as train_cli
+
+    assert train_cli.main([*argv, "--resume=true"]) == 0
+    a = HiSpecAdapter.from_pretrained(full / "checkpoint").state_dict_flat()
+    b = HiSpecAdapter.from_pretrained(run / "checkpoint").state_dict_flat()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

@@ -2,12 +2,14 @@
 
 User mistakes (a :class:`HiSpecError`, a file that cannot be read or written, a malformed value)
 never show a traceback unless ``--debug`` is given; unexpected internal errors still do. Ctrl-C
-exits with status 130 and one line.
+exits with status 130 and one line; SIGTERM as Ctrl-C does (its ``finally`` blocks run), with status
+143. What a long command wrote before is kept (every write is atomic): ``--resume`` goes on from it.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Callable
 
@@ -24,6 +26,7 @@ def add_debug_arg(p: argparse.ArgumentParser) -> None:
 def run_cli(prog: str, run: Callable[[], int], debug: bool = False, extra: str | None = None) -> int:
     """Run a command's body, turning user mistakes into ``prog: error: ...`` and exit status 2;
     ``extra``: the package extra the command needs (a missing one is such a mistake)."""
+    previous = signal.signal(signal.SIGTERM, _terminate) if _on_main_thread() else None
     try:
         if extra is not None:
             require(extra, prog)
@@ -34,9 +37,29 @@ def run_cli(prog: str, run: Callable[[], int], debug: bool = False, extra: str |
         message = str(exc) if isinstance(exc, HiSpecError) else f"{type(exc).__name__}: {exc}"
         print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)  # one line
         return 2
+    except Terminated:
+        print(f"{prog}: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command was, so that it ends as Ctrl-C ends it."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+def _on_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def positive_int(text: str) -> int:
