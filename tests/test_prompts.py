@@ -48,3 +48,27 @@ def test_code_prompts_hold_out_what_the_benchmarks_draw():
     sources = collect_prompts(["sharegpt-code", "humaneval"])
     assert {s for s, _ in sources} == {"sharegpt-code", "humaneval"}
     assert not {t for _, t in sources} & held_out
+
+
+def test_held_out_sets_are_in_no_training_tuning_or_calibration_source():
+    """``code-requests`` and ``passages`` share no prompt, and no 60-character stretch, with any source the
+    self-distillation, tuning or calibration draws from; hispec-tune does not offer them."""
+    from hispec_decode.adapter.vocabulary import CALIBRATION_PROMPTS
+    from hispec_decode.data.prompts import HELD_OUT, continuation_texts, sharegpt_first_turns
+    from hispec_decode.tools.tune import build_parser
+    from hispec_train.selfdistill import DEFAULT_SOURCES, collect_prompts
+
+    requests, passages = prompt_set("code-requests", 24), prompt_set("passages", 12)
+    assert len(set(requests)) == 24 and len(set(passages)) == 12
+    assert prompt_set("code-requests", 5) == requests[:5]  # in order, so per-prompt ratios line up across runs
+    with pytest.raises(HiSpecError, match="holds 12 prompts"):
+        prompt_set("passages", 13)
+    sources = [t for _, t in collect_prompts(["sharegpt", "sharegpt-code", "humaneval", "continuation",
+                                              *DEFAULT_SOURCES])]
+    sources += list(sharegpt_first_turns(4000)) + list(continuation_texts()) + list(CHAT_PROMPTS)
+    sources += list(CALIBRATION_PROMPTS)
+    text = "\n".join(sources)
+    for prompt in requests + passages:
+        assert not any(prompt[i : i + 60] in text for i in range(0, max(1, len(prompt) - 60), 20)), prompt[:60]
+    tune_sets = next(a for a in build_parser()._actions if a.dest == "prompts").choices
+    assert not set(HELD_OUT) & set(tune_sets)

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from ..errors import HiSpecError
+from .held_out import CODE_REQUESTS, PASSAGES
 from .records import read_json_records
 
 SHAREGPT_NAME = "sharegpt"
@@ -38,8 +39,10 @@ CHAT_PROMPTS = [
 ]
 
 
-PROMPT_SETS = ("builtin", "sharegpt", "humaneval", "mixed", "continuation", "rewrite", "code")
-CHAT_FREE = ("continuation",)  # prompt sets of plain text, encoded without the chat template
+PROMPT_SETS = ("builtin", "sharegpt", "humaneval", "mixed", "continuation", "rewrite", "code", "code-requests",
+               "passages")
+CHAT_FREE = ("continuation", "passages")  # prompt sets of plain text, encoded without the chat template
+HELD_OUT = ("code-requests", "passages")  # sets no calibration, training or tuning data draws from (held_out.py)
 
 
 def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
@@ -167,7 +170,9 @@ def evaluation_prompts() -> frozenset[str]:
 def prompt_set(name: str, n: int, seed: int = 0) -> list[str]:
     """``builtin``, ``sharegpt``, ``humaneval``, ``mixed`` (half ShareGPT, half HumanEval),
     ``continuation`` (plain text), ``rewrite`` (requests to rewrite or extend a given function) or ``code``
-    (half HumanEval, half rewrite);
+    (half HumanEval, half rewrite), ``code-requests`` (chat-style requests for code) or ``passages``
+    (openings of public-domain novels, plain text): the last two held out from every other use
+    (:mod:`.held_out`; seed 0 takes them in order);
     ``seed`` picks which (the benchmarks use 0, tuning another, so a policy is not tuned on the
     prompts it is measured on)."""
     if name == "builtin":
@@ -184,4 +189,9 @@ def prompt_set(name: str, n: int, seed: int = 0) -> list[str]:
         return random.Random(seed).sample(rewrite_problems(), n)
     if name == "code":
         return humaneval_prompts(n - n // 2, seed) + random.Random(seed).sample(rewrite_problems(), n // 2)
+    if name in HELD_OUT:
+        texts = CODE_REQUESTS if name == "code-requests" else PASSAGES
+        if n > len(texts):
+            raise HiSpecError(f"the {name} prompt set holds {len(texts)} prompts; asked for {n}")
+        return list(texts[:n]) if seed == 0 else random.Random(seed).sample(texts, n)
     raise HiSpecError(f"unknown prompt set {name!r}; use {', '.join(PROMPT_SETS)}")

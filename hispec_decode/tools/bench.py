@@ -61,6 +61,7 @@ class Tally:
     counters: Counters = field(default_factory=Counters)
     outputs: list[list[int]] = field(default_factory=list)
     levels: list[str] = field(default_factory=list)  # the name of each level above the drafter
+    rates: list[float] = field(default_factory=list)  # each prompt's tokens per second, in prompt order
 
     def tps(self) -> float | None:
         return self.tokens / self.seconds if self.seconds else None
@@ -81,7 +82,19 @@ class Tally:
             "matches_transformers": f"{self.matches}/{self.prompts}",
             "matches_autoregressive": (f"{sum(a == b for a, b in zip(self.outputs, plain.outputs))}/{self.prompts}"
                                        if plain else None),
+            "per_prompt_ratio_to_autoregressive": spread(self.rates, plain.rates) if plain else None,
         }
+
+
+def spread(rates: list[float], plain: list[float]) -> dict[str, float] | None:
+    """Each prompt's speed over plain decoding's on the same prompt: min, median and max (a mean hides the
+    prompts where speculation loses)."""
+    ratios = sorted(r / p for r, p in zip(rates, plain) if p > 0)
+    if not ratios:
+        return None
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return {"min": round(ratios[0], 3), "median": round(median, 3), "max": round(ratios[-1], 3)}
 
 
 def _hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -158,8 +171,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     tokens, counters = out.seqs[0].new_tokens, out.seqs[0].counters
                     tallies[m].levels = [level["level"] for level in out.stats["levels"]]
                 tally = tallies[m]
-                tally.seconds += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                tally.seconds += seconds
                 tally.tokens += len(tokens)
+                tally.rates.append(len(tokens) / seconds)
                 tally.counters.add(counters)
                 tally.prompts += 1
                 tally.outputs.append(tokens)
@@ -185,15 +200,17 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def format_table(results: dict[str, Any]) -> str:
     lines = [machine_line(results)]
     width = max([15, *(len(m) for res in results["dtypes"].values() for m in res["methods"])])
-    head = (f"{'dtype':9} {'method':{width}} {'tok/s':>8} {'x HF':>6} {'x AR':>6} {'tok/full':>9} {'= HF':>7} "
-            f"{'= AR':>7}  accepted per level")
+    head = (f"{'dtype':9} {'method':{width}} {'tok/s':>8} {'x HF':>6} {'x AR':>6} {'per prompt x AR':>18} "
+            f"{'tok/full':>9} {'= HF':>7} {'= AR':>7}  accepted per level")
     for dtype, res in results["dtypes"].items():
         lines += [head, "-" * len(head)]
         for m, r in res["methods"].items():
             def f(x, pct=False):
                 return "-" if x is None else (f"{100 * x:.1f}%" if pct else f"{x:.2f}")
+            per = r.get("per_prompt_ratio_to_autoregressive")
+            per = f"{per['min']:.2f}/{per['median']:.2f}/{per['max']:.2f}" if per else "-"
             lines.append(f"{dtype:9} {m:{width}} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
-                         f"{f(r.get('ratio_to_autoregressive')):>6} "
+                         f"{f(r.get('ratio_to_autoregressive')):>6} {per:>18} "
                          f"{f(r['tokens_per_full_call']):>9} {r['matches_transformers']:>7} "
                          f"{r.get('matches_autoregressive') or '-':>7}  "
                          + (" ".join(f"{k} {f(v, True)}" for k, v in (r.get("levels") or {}).items()) or "-"))

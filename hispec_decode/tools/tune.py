@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .. import machine
 from ..adapter import CONFIG_NAME
-from ..data.prompts import PROMPT_SETS
+from ..data.prompts import HELD_OUT, PROMPT_SETS
 from ..errors import HiSpecError
 from .args import add_model_args
 from .cli import add_debug_arg, positive_int, run_cli
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec-tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated dtypes, each tuned in turn")
-    p.add_argument("--prompts", default="mixed", choices=PROMPT_SETS)
+    p.add_argument("--prompts", default="mixed", choices=[s for s in PROMPT_SETS if s not in HELD_OUT])
     p.add_argument("--num-prompts", type=positive_int, default=8)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--confirm", type=positive_int, default=4, help="best predicted policies decoded for real")
