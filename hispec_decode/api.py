@@ -16,6 +16,7 @@ from .adapter.hispec_adapter import check_source
 from .adapter.fingerprint import base_id
 from .adapter.vocabulary import VOCAB_NAME, calibration_prompts, calibration_weights, load_weights, ranking, save_weights
 from .config import SPECULATIVE_FIELDS, EngineConfig, SpeculativeConfig, checked, split_overrides, unknown_arguments
+from .decoding.cost_model import CostModel
 from .decoding.policy import TUNABLE, Policy, resolve_policy
 from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
@@ -63,22 +64,37 @@ class HiSpecModel:
         if adapter is not None:
             heads = {int(k): h.to(decoder.dtype).eval().requires_grad_(False) for k, h in adapter.heads.items()}
         self.runner = ModelRunner(decoder, heads)
-        self._machine_policies: dict[str, Any] | None = None  # see tuned_policy
+        self._machine: dict[str, Any] | None = None  # see machine_record
+
+    def machine_record(self) -> dict[str, Any]:
+        """This machine's ``policies``, pass ``costs`` and arms' predicted speeds (``arms``) for this model:
+        tuned or derived here (:func:`hispec_decode.tuning.derive.machine_record`: the first call on a new
+        machine measures its pass costs, seconds); empty where there is none."""
+        if self._machine is None:
+            from .tuning.derive import machine_record
+
+            self._machine = {}  # deriving decodes with explicit policies: no re-entry
+            self._machine = machine_record(self) or {}
+        return self._machine
 
     def tuned_policy(self, method: str) -> dict[str, Any] | None:
         """The policy this machine uses for ``method`` by default: tuned or derived here
-        (:func:`hispec_decode.tuning.derive.machine_policy`: the first call on a new machine measures
-        its pass costs, seconds), else the one stored in the adapter, else None."""
+        (:meth:`machine_record`), else the one stored in the adapter, else None."""
         if method not in ("hispec", "self_spec"):
             return None
-        if self._machine_policies is None:
-            from .tuning.derive import machine_policy
-
-            self._machine_policies = {}  # deriving decodes with explicit policies: no re-entry
-            self._machine_policies = machine_policy(self) or {}
+        policies = self.machine_record().get("policies") or {}
         if self.adapter is None:
-            return self._machine_policies.get(method)
-        return self._machine_policies.get(method) or self.adapter.config.tuned_policy(method, self.decoder.dtype)
+            return policies.get(method)
+        return policies.get(method) or self.adapter.config.tuned_policy(method, self.decoder.dtype)
+
+    def machine_costs(self) -> CostModel | None:
+        """This machine's pass costs for this model, where a record holds them (see :meth:`machine_record`)."""
+        costs = self.machine_record().get("costs")
+        try:
+            return CostModel.from_dict(costs) if costs else None
+        except (KeyError, TypeError, ValueError) as exc:
+            logger.warning("hispec: the machine record's pass costs are unreadable (%s); the guard decides", exc)
+            return None
 
     @classmethod
     def from_pretrained(
@@ -174,7 +190,11 @@ class HiSpecModel:
         runner = self.runner
         if not speculative.use_exit_vocab:
             runner = ModelRunner(self.decoder, self.runner.heads, use_exit_vocab=False, ranking=self.runner.ranking)
-        return LLMEngine(runner, speculative, policy, engine, sampling)
+        costs = priors = None
+        if speculative.guard and speculative.method != "autoregressive":  # each sequence chooses its rounds
+            costs = self.machine_costs()
+            priors = (self.machine_record().get("arms") or {}).get(speculative.method)
+        return LLMEngine(runner, speculative, policy, engine, sampling, costs, priors)
 
     def token_ranking(self) -> torch.Tensor:
         """Token ids, the ones the base emits most often first: the vocabulary level's rows

@@ -39,6 +39,7 @@ def generation_stats(engine: LLMEngine, seqs: list[Sequence], seconds: float) ->
         "calls_intermediate": c.calls_intermediate,
         "calls_full": c.calls_full,
         "copied": c.copied,
+        "arms": _arm_picks(seqs),
         "levels": level_stats(engine.exits, engine.runner.decoder.num_layers, c),
         "tokens_per_full_call": _ratio(new, c.calls_full),
         "seconds": seconds,
@@ -49,6 +50,15 @@ def generation_stats(engine: LLMEngine, seqs: list[Sequence], seconds: float) ->
         "peak_cache_bytes": engine.peak_slots * bytes_per_token,
         "needed_cache_bytes": engine.peak_tokens * bytes_per_token,
     }
+
+
+def _arm_picks(seqs: list[Sequence]) -> dict[str, int]:
+    """Rounds each arm of the sequences' round choosers ran (engine/chooser.py); empty without choosers."""
+    picks: dict[str, int] = {}
+    for seq in seqs:
+        for arm, n in (seq.chooser.picks if seq.chooser is not None else {}).items():
+            picks[arm] = picks.get(arm, 0) + n
+    return picks
 
 
 def level_names(exits: tuple[int, ...], num_layers: int) -> list[str]:

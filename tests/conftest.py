@@ -93,12 +93,14 @@ def save_tiny(name: str, directory: Path, seed: int = 0, mutate=None) -> Tiny:
 
 @pytest.fixture(scope="session", autouse=True)
 def _policies_run_as_they_are():
-    """Tests of decoding run each policy as it is: the speculation guard always lets it speculate here
-    (tests/test_guard.py tests the guard itself)."""
-    from hispec_decode.engine import guard
+    """Tests of decoding run each policy as it is: the speculation guard always lets it speculate here, and
+    each sequence's round chooser always takes the policy (tests/test_guard.py and tests/test_chooser.py
+    test them)."""
+    from hispec_decode.engine import chooser, guard
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(guard.SpeculationGuard, "speculate", lambda self, policy, batch_size: True)
+        mp.setattr(chooser.RoundChooser, "choose", lambda self, seq: self.policy)
         yield
 
 

@@ -111,7 +111,7 @@ def test_replayed_vocabulary_level_counts_what_decoding_counts(calibrated, train
     model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
     n, size = model.num_layers, 40
     model.runner.set_ranking(torch.randperm(model.decoder.vocab_size, generator=torch.Generator().manual_seed(3)))
-    add_vocab_rows(model.runner, model.base_model, traces, (size,))
+    add_vocab_rows(model.runner, traces, (size,))
     costs = measure_costs(model.runner, [2, 4], reps=1, vocab_sizes=(size,))
     eos = model.decoder.default_eos_ids()
     checked = 0

@@ -275,7 +275,8 @@ def test_killed_store_resumes_to_the_same_store(distilled, features, trainable_b
 # -- SIGTERM and Ctrl-C in the middle of a long command, then --resume ------------------------------
 
 HOLD = """
-import importlib, pathlib, sys, time
+import importlib, pathlib, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job inherits SIG_IGN)
 module, target, marker = sys.argv[1:4]
 owner_name, name = target.rsplit(":", 1)
 owner = importlib.import_module(owner_name)

@@ -23,6 +23,8 @@ from ..decoding.sampling import TokenSampler
 from ..errors import HiSpecError, OutOfBlocksError
 from ..inputs import prompt_rows
 from ..sampling_params import SamplingParams
+from ..decoding.cost_model import CostModel
+from .chooser import RoundChooser
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import BandRequest, Sequence, Status
@@ -48,8 +50,11 @@ class LLMEngine:
     that bring none."""
 
     def __init__(self, runner: ModelRunner, speculative_config: SpeculativeConfig, policy: Policy,
-                 engine_config: EngineConfig | None = None, sampling_params: SamplingParams | None = None) -> None:
+                 engine_config: EngineConfig | None = None, sampling_params: SamplingParams | None = None,
+                 costs: CostModel | None = None, priors: dict[str, float] | None = None) -> None:
         engine_config = engine_config or EngineConfig()
+        # with this machine's pass costs, each sequence chooses its rounds' arms at batch 1 (engine/chooser.py)
+        self.costs, self.priors = costs, priors or {}
         self.runner, self.speculative_config, self.policy = runner, speculative_config, policy
         self.engine_config, self.sampling_params = engine_config, sampling_params or SamplingParams()
         self.method = speculative_config.method
@@ -90,6 +95,8 @@ class LLMEngine:
         rid = next(self._ids)
         seq = Sequence(rid, row, manager, self.exits, TokenSampler(params), limit,
                        params.eos_ids(decoder.default_eos_ids()), self.policy, self.cache)
+        if self.guarded and self.costs is not None and seq.sampler.path_free:
+            seq.chooser = RoundChooser(self.policy, self.costs, decoder.num_layers, self.priors)
         self.sequences[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -103,20 +110,26 @@ class LLMEngine:
         size = len(self.scheduler.running)
         for seq in self.scheduler.admit():
             seq.batch_size = len(self.scheduler.running)
-            seq.speculate = not self.guarded or not seq.sampler.path_free or self.runner.guard.speculate(
-                self.policy, seq.batch_size)
+            seq.speculate = self._speculate(seq, seq.batch_size)
             seq.decode_loop = self.strategy.decode(seq)
             seq.request = next(seq.decode_loop)
         if not self.scheduler.running:
             return []
-        # a step of a steady batch (no newcomer) whose rows all follow the guard (a seeded sample follows its policy)
+        # a step of a steady batch (no newcomer) whose rows all follow the guard (a seeded sample follows its
+        # policy; a sequence alone with its chooser follows that)
         guarded = self.guarded and size == len(self.scheduler.running) and all(
-            s.sampler.path_free for s in self.scheduler.running)
+            s.sampler.path_free and (s.chooser is None or size > 1) for s in self.scheduler.running)
         if guarded:
             speculate = self.runner.guard.speculate(self.policy, size)
             for seq in self.scheduler.running:
                 seq.speculate = speculate
+        elif size == 1 == len(self.scheduler.running):
+            for seq in self.scheduler.running:
+                seq.speculate = self._speculate(seq, 1)
         batch, requests = self._prefill_budget(self.scheduler.next_batch())
+        for seq, request in zip(batch, requests):  # a chooser prices its round's passes (before they run)
+            if seq.chooser is not None and request is seq.request:
+                seq.chooser.price(request)
         # prefills are not measured (nor the pass that brings a prompt through the upper bands after a draft)
         guarded = guarded and all(s.processed(len(s.exits) - 1) >= s.committed - 1 for s in batch)
         logits = self.runner.advance(requests, self.cache)
@@ -143,6 +156,13 @@ class LLMEngine:
         if guarded:
             self.runner.guard.record(self.policy, size, time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs))
         return outputs
+
+    def _speculate(self, seq: Sequence, batch_size: int) -> bool:
+        """Whether ``seq`` may speculate at ``batch_size``: as the guard says, unless the guard is off, the
+        sequence's sample must follow its policy, or it is alone with its own chooser."""
+        if not self.guarded or not seq.sampler.path_free or (seq.chooser is not None and batch_size == 1):
+            return True
+        return self.runner.guard.speculate(self.policy, batch_size)
 
     def _prefill_budget(self, batch: list[Sequence]) -> tuple[list[Sequence], list[BandRequest]]:
         """The sequences served this step and their requests, at most ``prefill_chunk`` prompt tokens

@@ -146,6 +146,7 @@ class Sequence:
         self.idle = 0  # consecutive steps this sequence waited without being served
         self.batch_size = 1  # sequences running beside it (incl. itself) when it last received logits
         self.speculate = True  # rounds may speculate (the engine's guard turns it off where speculation loses)
+        self.chooser: Any = None  # its RoundChooser (engine/chooser.py): each round's arm, at batch 1
         self.copy_budget = 0  # prompt lookup's drafts per round at most (0: the policy's; see drafters/lookup.py)
         self.copies_accepted = 0  # prompt lookup's record: copied tokens accepted, copies cut by a rejection
         self.copies_rejected = 0

@@ -114,17 +114,31 @@ class Speculative(Strategy):
         self.name = name
 
     def decode(self, seq: Sequence) -> DecodeLoop:
-        policy, top = seq.policy, len(seq.exits) - 1
+        top, chooser = len(seq.exits) - 1, seq.chooser
         while not seq.is_finished:
-            draft_threshold, verify_threshold = policy.at_batch(seq.batch_size)
-            if not seq.speculate or (draft_threshold > 1 and (top == 1 or verify_threshold > 1)
-                                     and not policy.copies(seq.batch_size)):  # cannot pay here
-                yield from step_autoregressive(seq, top)
-                continue
-            start = len(seq.tokens)
-            check = yield from check_at(seq, top, draft_threshold, verify_threshold)
-            seq.counters.count(top, check.drafted, check.verdict.accepted)
-            seq.commit(start, check.verdict)
+            # at batch 1 the sequence's chooser picks this round's arm (engine/chooser.py); a round that
+            # prefills is not evidence of its arm
+            choosing = chooser is not None and seq.batch_size == 1
+            prefilled = seq.processed(0) >= seq.committed - 1
+            seq.policy = chooser.choose(seq) if choosing else (seq.policy if chooser is None else chooser.policy)
+            committed = seq.committed
+            yield from self.round(seq, top)
+            if choosing and prefilled:
+                chooser.record(seq.committed - committed)
+
+    def round(self, seq: Sequence, top: int) -> DecodeLoop:
+        """One round under ``seq.policy``: a plain step where it cannot speculate, else drafts checked up to
+        the full model, which commits."""
+        policy = seq.policy
+        draft_threshold, verify_threshold = policy.at_batch(seq.batch_size)
+        if not seq.speculate or (draft_threshold > 1 and (top == 1 or verify_threshold > 1)
+                                 and not policy.copies(seq.batch_size)):  # cannot pay here
+            yield from step_autoregressive(seq, top)
+            return
+        start = len(seq.tokens)
+        check = yield from check_at(seq, top, draft_threshold, verify_threshold)
+        seq.counters.count(top, check.drafted, check.verdict.accepted)
+        seq.commit(start, check.verdict)
 
 
 def check_at(seq: Sequence, level: int, draft_threshold: float, verify_threshold: float

@@ -31,6 +31,7 @@ from ..adapter.fingerprint import base_id
 from ..adapter.vocabulary import calibration_prompts, fit_context
 from ..knobs import KNOBS
 from ..decoding.policy import DEFAULT_DRAFT_FRACTION, Policy
+from ..engine.chooser import arm_policies
 from ..files import write_text
 from ..models.loading import hispec_home
 from .calibration import calibration_id, load_calibration, record_calibration
@@ -49,8 +50,9 @@ BASE_TRACES, BASE_TOKENS = 4, 96  # a base without an adapter: prompts and token
 VOCAB_SIZES = (4096, 8192, 16384)  # the vocabulary level's sizes tried (those below half the vocabulary)
 VOCAB_ALONE = ((1, 0.0), (2, 0.0), (3, 0.0), (2, 0.5), (3, 0.5), (4, 0.5), (6, 0.7))  # (k, tau_d), L_v drafting
 VOCAB_BELOW = tuple(itertools.product(((1, 0.0), (2, 0.4)), (2, 4, 6)))  # ((k_d, tau_d), N_v), L_d -> L_v
-DERIVATION = 5  # a derived record of another version is derived again
-OVERHEAD_TOKENS = 48  # tokens decoded to measure what a real request adds beyond its passes
+DERIVATION = 6  # a derived record of another version is derived again
+OVERHEAD_TOKENS = 32  # tokens decoded to measure what a real request adds beyond its passes
+OVERHEAD_PROMPTS = 1  # prompts (the first traces') decoded for it, plainly and speculatively
 
 
 def adapter_id(adapter: Any) -> str:
@@ -140,7 +142,7 @@ def ranked(model: Any, traces: list[Trace], costs: CostModel) -> list[tuple[Cand
     traces = traces[:TRACES]
     sizes = tuple(-key for key in costs.exits if int(key) < 0)
     if sizes:
-        add_vocab_rows(model.runner, model.base_model, traces, sizes)
+        add_vocab_rows(model.runner, traces, sizes)
     scored = sorted(((c, predict(c, traces, costs, n, eos)["tokens_per_second"]) for c in grid(layers, n, sizes)),
                     key=lambda cs: -cs[1])
     def priced(c: Candidate) -> bool:  # every exit it drafts or checks at was timed
@@ -168,8 +170,12 @@ def derive(model: Any, traces: list[Trace], costs: CostModel,
     self_spec = {k: v for k, v in policy_dict(best_self).items() if k not in ("verify_layer", "window", "verify_threshold")}
     self_spec["batch_thresholds"] = batch_thresholds(costs, n, cap, best_self, traces)
     predicted = [{"config": c.label(), "tokens_per_second": round(tps, 2)} for c, tps in scored[:8]]
+    eos = model.decoder.default_eos_ids()
+    arms = {method: {arm: round(predict(Candidate(method, variant, n), traces, costs, n, eos)["tokens_per_second"], 2)
+                     for arm, variant in arm_policies(policy).items()}
+            for method, policy in (("hispec", best), ("self_spec", best_self))}
     return {"hispec": hispec, "self_spec": self_spec, "predicted": predicted,
-            "predicted_autoregressive": round(plain, 2)}
+            "predicted_autoregressive": round(plain, 2), "arms": arms}
 
 
 def request_overhead(model: Any, prompts: list[list[int]], max_new_tokens: int, costs: CostModel) -> float:
@@ -221,37 +227,40 @@ def machine_costs(model: Any, traces: list[Trace]) -> CostModel:
     sizes = vocab_sizes(model)
     if sizes:
         model.token_ranking()
-    costs = measure_costs(model.runner, layers, reps=5, vocab_sizes=sizes)
-    add_vocab_rows(model.runner, model.base_model, traces, sizes)
-    prompts = [t.tokens[: t.prompt_length] for t in traces[:2]]
+    costs = measure_costs(model.runner, layers, reps=3, vocab_sizes=sizes)
+    add_vocab_rows(model.runner, traces[:TRACES], sizes)  # the traces the grid replays
+    prompts = [t.tokens[: t.prompt_length] for t in traces[:OVERHEAD_PROMPTS]]
     costs.request = request_overhead(model, prompts, OVERHEAD_TOKENS, costs)
     short = []  # the first tokens of each trace: what the speculative decode below makes
-    for t in traces[:2]:
+    for t in traces[:OVERHEAD_PROMPTS]:
         end = t.prompt_length + min(OVERHEAD_TOKENS, len(t.tokens) - t.prompt_length)
         short.append(Trace(t.tokens[:end], t.prompt_length, end, t.top, t.conf, t.top_true, t.conf_true))
     costs.speculative_request = speculative_overhead(model, prompts, short, layers, costs, model.decoder.default_eos_ids())
     return costs
 
 
-def machine_policy(model: Any) -> dict[str, Any] | None:
-    """This machine's policies (``{"hispec": {...}, "self_spec": {...}}``) for ``model``'s adapter and
-    dtype: the stored one (tuned here, or derived before), else derived now from the adapter's
-    calibration (measuring this machine's costs: seconds) and stored; None without a calibration, or
-    where deriving fails (then one warning says so, and decoding takes the adapter's shipped policy).
-    Measured costs are stored before the policy is derived from them, so a later load that derives
-    again does not measure again."""
+def machine_record(model: Any) -> dict[str, Any] | None:
+    """This machine's record for ``model``'s adapter and dtype: its ``policies`` (``{"hispec": {...},
+    "self_spec": {...}}``), its pass ``costs`` and each arm's predicted speed (``arms``, where derived):
+    the stored one (tuned here, or derived before), else derived now from the adapter's calibration
+    (measuring this machine's costs: seconds) and stored; None without a calibration, or where deriving
+    fails (then one warning says so, and decoding takes the adapter's shipped policy). Measured costs are
+    stored before the policy is derived from them, so a later load that derives again does not measure
+    again."""
     adapter = model.adapter
     path = policy_path(model)
     stored = _read(path)
     if stored is not None and (stored.get("source") != "derived" or stored.get("derivation") == DERIVATION):
-        return stored["policies"]
+        return {"policies": stored["policies"], "costs": stored.get("costs") or stored.get("measurements", {}).get(
+            "costs"), "arms": stored.get("arms", {})}
     if adapter is None:  # the base alone: traces of a short calibration decode, the vocabulary level's grid
         if not vocab_sizes(model):
             return None
     elif adapter.calibration_path is None:
         return None
     try:
-        return _derive_and_store(model, path)
+        record = _derive_and_store(model, path)
+        return {k: record.get(k) for k in ("policies", "costs", "arms")}
     except Exception as exc:  # noqa: BLE001 - a failed derivation must never stop a decode
         logger.warning("hispec: deriving this machine's decoding policy failed (%s: %s); decoding with the %s",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", "adapter's shipped policy"
@@ -260,6 +269,7 @@ def machine_policy(model: Any) -> dict[str, Any] | None:
 
 
 def _derive_and_store(model: Any, path: Path) -> dict[str, Any]:
+    """Derive (measuring the costs unless a failed derivation left them) and store; the record."""
     adapter = model.adapter
     if adapter is None:
         calibration = "calibration decode"
@@ -287,7 +297,7 @@ def _derive_and_store(model: Any, path: Path) -> dict[str, Any]:
     store(path, record)
     logger.info("hispec: derived %s (predicted %.1f tok/s, plain %.1f) in %.0f s", derived["predicted"][0]["config"],
                 derived["predicted"][0]["tokens_per_second"], derived["predicted_autoregressive"], record["seconds"])
-    return policies
+    return record
 
 
 def _measured(path: Path, about: dict[str, Any]) -> CostModel | None:

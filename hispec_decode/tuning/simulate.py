@@ -28,7 +28,8 @@ from ..cache.block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from ..engine.model_runner import ModelRunner
 from ..engine.sequence import BandRequest, Counters, Sequence
 from ..engine.strategies import STRATEGIES, run_alone
-from .costs import CostModel
+from ..decoding.cost_model import CostModel, vocab_key
+from ..engine.chooser import request_seconds
 
 TOP_K = 4  # candidates kept per exit and position: static trees up to this wide replay exactly
 
@@ -75,22 +76,29 @@ def record_trace(runner: ModelRunner, model: torch.nn.Module, prompt: list[int],
     return trace
 
 
-def vocab_key(size: int) -> int:
-    """Where traces and cost models keep the vocabulary level of ``size`` tokens (beside exit layers)."""
-    return -size
+@torch.inference_mode()
+def final_states(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    """The normed final hidden state at every position of ``tokens`` ([1, T, hidden]), by the engine's own
+    layers (its compiled kernels) in one prefill on a cache of its own."""
+    decoder = runner.decoder
+    cache = runner.new_cache(-(-len(tokens) // DEFAULT_BLOCK_SIZE) + 1, DEFAULT_BLOCK_SIZE)
+    cache.manager.add(0, 1)
+    cache.manager.reserve(0, len(tokens))
+    meta = decoder.meta(cache, [(0, 0, len(tokens))])
+    x = decoder.embed(torch.tensor(tokens, device=decoder.device), meta)
+    return decoder.exit_norm(decoder.run(x, 0, decoder.num_layers, meta, cache))
 
 
 @torch.inference_mode()
-def add_vocab_rows(runner: ModelRunner, model: torch.nn.Module, traces: list[Trace], sizes: tuple[int, ...]) -> None:
+def add_vocab_rows(runner: ModelRunner, traces: list[Trace], sizes: tuple[int, ...]) -> None:
     """The vocabulary level's top tokens and probabilities along each trace, for each of ``sizes``
     (its restricted, renormalized distribution over ``runner.level_vocab(size)``)."""
-    inner = getattr(model, model.base_model_prefix)
     decoder = runner.decoder
     for trace in traces:
         sizes = tuple(size for size in sizes if vocab_key(size) not in trace.top)
         if not sizes:
             continue
-        x = inner(input_ids=torch.tensor([trace.tokens])).last_hidden_state  # normed (and projected) already
+        x = final_states(runner, trace.tokens)
         for size in sizes:
             logits = decoder.vocab_logits(x, runner.level_vocab(size))[0]
             conf, top = logits.float().softmax(-1).topk(TOP_K, dim=-1)
@@ -152,23 +160,14 @@ class _Runner:
         seq, manager = request.seq, request.seq.blocks
         manager.reserve(seq.seq_id, len(seq.tokens))
         rows = [len(seq.tokens) - seq.processed(b) for b in range(request.top_band + 1)]
-        plain = request.top_band == len(seq.exits) - 1 and request.num_logits == 1 and len(set(rows)) == 1
-        self.speculative_requests += not plain
-        band = 0
-        while band <= request.top_band:  # bands over the same new rows run as one slice, as the runner does
-            last = band
-            while last < request.top_band and rows[last + 1] == rows[band]:
-                last += 1
-            lo = seq.exits[band - 1] if band else 0
-            self.seconds += self.costs.band(lo, seq.exits[last], rows[band])
-            band = last + 1
+        self.speculative_requests += not (request.top_band == len(seq.exits) - 1 and request.num_logits == 1
+                                          and len(set(rows)) == 1)
+        self.seconds += request_seconds(self.costs, request, self.num_layers)
         for b in range(request.top_band + 1):
             manager.set_length(seq.seq_id, b, len(seq.tokens))
         layer = seq.exits[request.top_band]
         if layer == self.num_layers and request.top_band < len(seq.exits) - 1:  # the vocabulary level
             layer = vocab_key(seq.policy.vocab)
-        self.seconds += self.costs.exit(layer, request.num_logits)
-        self.seconds += self.costs.request if plain else self.costs.speculative_request
         out = np.empty((request.num_logits, 2 * TOP_K))
         tokens = self.trace.tokens
         for j, slot in enumerate(range(len(seq.tokens) - request.num_logits, len(seq.tokens))):
