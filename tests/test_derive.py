@@ -115,7 +115,8 @@ def test_replayed_vocabulary_level_counts_what_decoding_counts(calibrated, train
     costs = measure_costs(model.runner, [2, 4], reps=1, vocab_sizes=(size,))
     eos = model.decoder.default_eos_ids()
     checked = 0
-    for policy in (Policy(n, n, 1, 3, vocab=size), Policy(2, n, 1, 2, vocab=size, vocab_window=3)):
+    for policy in (Policy(draft_layer=n, verify_layer=n, window=1, num_draft=3, vocab=size),
+                   Policy(draft_layer=2, verify_layer=n, window=1, num_draft=2, vocab=size, vocab_window=3)):
         for prompt, trace in zip(PROMPTS, traces):
             r = replay(trace, "hispec", policy, costs, n, eos)
             out = model.generate([prompt], max_new_tokens=trace.limit - trace.prompt_length, method="hispec",
@@ -172,7 +173,8 @@ def test_a_tree_that_expands_one_node_replays(calibrated, trainable_base):
     n, eos = model.num_layers, model.decoder.default_eos_ids()
     costs = _flat_costs([2, 4], n)
     for nodes, width, depth in ((2, 2, 2), (3, 1, 3), (4, 2, 4)):
-        policy = Policy(2, n, 1, depth, 0.0, 0.0, tree="static", tree_nodes=nodes, tree_width=width)
+        policy = Policy(draft_layer=2, verify_layer=n, window=1, num_draft=depth, tree="static", tree_nodes=nodes,
+                        tree_width=width)
         for trace in traces:
             r = replay(trace, "hispec", policy, costs, n, eos)
             assert r.tokens == trace.limit - trace.prompt_length or trace.tokens[-1] in eos

@@ -93,7 +93,8 @@ def test_hispec_without_its_middle_level_is_self_spec(arch, hispec_models, refer
 
 
 def test_policy_thresholds_rise_with_the_batch():
-    policy = Policy(2, 4, 4, 2, 0.3, 0.2, batch_thresholds=((1, 0.0), (4, 0.5), (16, 1.5)))
+    policy = Policy(draft_layer=2, verify_layer=4, window=4, num_draft=2, draft_threshold=0.3, verify_threshold=0.2,
+                    batch_thresholds=((1, 0.0), (4, 0.5), (16, 1.5)))
     assert policy.at_batch(1) == (0.3, 0.2)
     assert policy.at_batch(3) == (0.3, 0.2)
     assert policy.at_batch(4) == (0.5, 0.5)
@@ -115,7 +116,9 @@ def test_tuned_adapter_policy_is_the_default_and_batch_aware(tiny_models, hispec
     adapter.save_pretrained(tmp_path / "heads")
     assert json.loads((tmp_path / "heads" / CONFIG_NAME).read_text())["policy"]["float32"]["hispec"]["window"] == 5
     model = tiny.load(heads=str(tmp_path / "heads"))
-    assert model.policy(method="hispec") == Policy(2, 4, 5, 3, 0.25, 0.01, batch_thresholds=((1, 0.0), (4, 1.5)))
+    assert model.policy(method="hispec") == Policy(
+        draft_layer=2, verify_layer=4, window=5, num_draft=3, draft_threshold=0.25, verify_threshold=0.01,
+        batch_thresholds=((1, 0.0), (4, 1.5)))
     assert model.policy(method="hispec", window=2, batch_aware=False).window == 2
     assert model.policy(method="hispec", batch_aware=False).batch_thresholds == ()
     assert model.policy(method="self_spec").draft_threshold == 0.0  # tuned for hispec only
@@ -147,7 +150,8 @@ def test_gated_hispec_samples_exactly_the_final_distribution(thresholds):
     model says (0.2, 0.8). Withholding only L_i's replacement tokens would leave token 0 alone at
     that position and give P(0) = 0.3; the exact rule keeps P(0) = 0.2 (20k draws: 4 sigma = 0.011)."""
     runner = _FixedRunner({0: [20.0, -20.0], 1: [0.0, 0.0], 2: [math.log(0.2), math.log(0.8)]})
-    policy = Policy(1, 2, 3, 1, thresholds[0], thresholds[1])
+    policy = Policy(draft_layer=1, verify_layer=2, window=3, num_draft=1, draft_threshold=thresholds[0],
+                    verify_threshold=thresholds[1])
     draws, zeros = 20_000, 0
     for i in range(draws):
         seq = Sequence(0, [1], BlockManager(8, 16), (1, 2, 3), TokenSampler(SamplingParams(do_sample=True, seed=i)), 2, frozenset(), policy)

@@ -64,7 +64,8 @@ def test_greedy_equals_transformers_generate():
         reference.append(out[0, len(ids):].tolist())
     # the vocabulary level drafting under any ranking (here: token ids in order), with prompt lookup's union
     model.runner.set_ranking(torch.arange(model.decoder.vocab_size))
-    knobs = Policy(24, 24, vocab=8192, num_draft=2, lookup=8, drafting="union").knobs()  # all given: nothing derived
+    # all given: nothing derived
+    knobs = Policy(draft_layer=24, verify_layer=24, vocab=8192, num_draft=2, lookup=8, drafting="union").knobs()
     for method, kwargs in (("autoregressive", {}), ("hispec", knobs | {"batch_aware": False, "guard": False})):
         for b in (1, 2):
             got = model.generate(rows[:b], max_new_tokens=NEW, method=method, eos_token_id=[], **kwargs)
@@ -77,7 +78,8 @@ def test_greedy_equals_transformers_generate():
     del model
     shipped = HiSpecModel.from_pretrained("qwen2.5-coder-0.5b")
     assert sorted(e.layer for e in shipped.adapter.config.exits) == [2, 4, 6, 9, 12]
-    knobs = Policy(2, 12, num_draft=2, window=4).knobs() | {"batch_aware": False, "guard": False}
+    knobs = Policy(draft_layer=2, verify_layer=12, num_draft=2, window=4).knobs() | {"batch_aware": False,
+                                                                                     "guard": False}
     out = shipped.generate(rows, max_new_tokens=NEW, method="hispec", eos_token_id=[], **knobs)
     assert out.sequences == reference
     # untrained exits agree with the final layer's choice on 0.5-1.2% of held-out tokens (docs/qwen-coder.md):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import sys
 
 import numpy as np
@@ -14,6 +15,7 @@ from hispec_decode.adapter.config import CALIBRATION_NAME
 from hispec_decode.adapter import ExitSpec
 from hispec_decode.tools import tune as tune_cli
 from hispec_decode.tuning.costs import measure_costs
+from hispec_decode.tuning.derive import grid as derive_grid
 from hispec_decode.tuning.simulate import Trace, precision_above, record_trace, replay
 from hispec_decode.decoding.policy import Policy
 from hispec_decode.tuning.candidates import Candidate, _best_gate, batch_thresholds
@@ -67,12 +69,14 @@ def test_replay_counts_what_real_decoding_does(tuned_setup, gates, method):
 def test_batch_thresholds_rise_with_the_batch(tuned_setup):
     model, _ = tuned_setup
     costs = measure_costs(model.runner, [2, 4], reps=1)
-    thresholds = batch_thresholds(costs, model.num_layers, cap=0.9, policy=Policy(2, model.num_layers, 1, 1))
+    n = model.num_layers
+    thresholds = batch_thresholds(costs, n, cap=0.9, policy=Policy(draft_layer=2, verify_layer=n, window=1,
+                                                                   num_draft=1))
     assert thresholds["1"] == 0.0 and set(thresholds) >= {"2", "4", "8", "16"}
     assert all(0 <= v <= 0.9 or v == 1.5 for v in thresholds.values())
     values = list(thresholds.values())
     assert values == sorted(values), "a bigger batch never makes speculation cheaper"
-    deeper = batch_thresholds(costs, model.num_layers, cap=0.9, policy=Policy(4, model.num_layers, 1, 1))
+    deeper = batch_thresholds(costs, n, cap=0.9, policy=Policy(draft_layer=4, verify_layer=n, window=1, num_draft=1))
     assert all(deeper[b] >= thresholds[b] for b in thresholds), "a costlier draft pass needs more acceptance"
 
 
@@ -99,7 +103,7 @@ def test_batch_thresholds_from_traces_stop_drafts_that_never_pay(tuned_setup):
     per_layer = {k: 1e-3 / n * (1 + 0.02 * k) for k in points}
     costs = CostModel({k: 1e-5 for k in points}, per_layer, {k: 1e-5 for k in points}, per_layer,
                       {layer: {k: 1e-5 for k in points} for layer in (2, n)})
-    policy = Policy(2, n, 1, 1)
+    policy = Policy(draft_layer=2, verify_layer=n, window=1, num_draft=1)
     tokens = list(range(10, 74))
 
     def trace(right: bool) -> Trace:
@@ -126,7 +130,7 @@ def test_batch_confirmation_keeps_speculation_only_where_it_clearly_wins(monkeyp
         return 100, (1.0 if method == "autoregressive" else 1.0 / ratios.get(len(prompts), 0.5))
 
     monkeypatch.setattr(sys.modules[confirm_batches.__module__], "_decode", fake_decode)
-    chosen = Candidate("hispec", Policy(draft_layer=2, verify_layer=6, window=1, num_draft=1))
+    chosen = Candidate("hispec", Policy(draft_layer=2, verify_layer=6, window=1, num_draft=1), 8)
     prompts = [[i, i + 1, i + 2] for i in range(batch_prompts_needed())]
     thresholds, rows = confirm_batches(None, prompts, 8, chosen, {"1": 0.0, "2": 0.2, "4": 0.4, "8": 0.5, "16": 0.6})
     assert [r["batch_size"] for r in rows if r["speculation"] == "on"] == on
@@ -167,7 +171,7 @@ def test_tune_cli_stores_the_policy_for_this_machine(trainable_base, tuned_setup
     assert record["source"] == "tuned" and set(tuned) == {"hispec", "self_spec"}
     assert record["measurements"]["confirmed"][-1]["config"] == "autoregressive"
     # prompt lookup and the exit drafter in one tree, measured beside the rest
-    assert any("in one union tree" in row["config"] for row in record["measurements"]["confirmed"])
+    assert any("drafting=union" in row["config"] for row in record["measurements"]["confirmed"])
     model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
     policy = model.policy(method="hispec")
     assert (policy.window, policy.num_draft, policy.draft_threshold) == (
@@ -188,3 +192,21 @@ def test_tune_cli_writes_calibration_only_into_an_explicit_adapter(capsys):
 def test_tune_cli_needs_a_local_adapter(trainable_base, capsys):
     assert tune_cli.main(["--base", str(trainable_base), "--heads", "/no/such/dir"]) == 2
     assert "local adapter directory" in capsys.readouterr().err
+
+
+def test_a_label_names_what_the_policy_decodes_with():
+    """Labels come from KNOBS: two policies that decode differently never share one, and a knob that no level or
+    drafter of the policy reads does not tell two labels apart."""
+    n = 12
+    grid = [c for c in derive_grid([2, 4], n, (4096,))]
+    labels = {c.label(): c for c in grid}
+    assert len(labels) == len({(c.method, c.policy) for c in grid}), "distinct candidates, distinct labels"
+    chain = Candidate("hispec", Policy(draft_layer=2, verify_layer=n, window=1, num_draft=2), n)
+    assert chain.label() == "hispec L2 -> L_f: k=2 tau_d=0"
+    moot = Candidate("hispec", replace(chain.policy, window=4, tree_nodes=3, vocab_window=2, drafting="union"), n)
+    assert moot.label() == chain.label()
+    levels = Candidate("hispec", Policy(draft_layer=2, verify_layer=4, vocab=4096, lookup=8, drafting="union"), n)
+    assert levels.label() == ("hispec L2 -> L4 -> L_v(4096) -> L_f: N_i=2 k=1 tau_d=0 tau_v=0 lookup=8 drafting=union "
+                              "N_v=4")
+    assert Candidate("self_spec", Policy(draft_layer=n, verify_layer=n, vocab=4096), n).label().startswith(
+        "self_spec L_v(4096) -> L_f:")

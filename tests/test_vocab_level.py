@@ -34,11 +34,12 @@ def ranked(model: HiSpecModel, order: torch.Tensor):
 
 
 def test_level_lists():
-    p = Policy(2, 4, 3, 2, vocab=16, vocab_window=5)
+    p = Policy(draft_layer=2, verify_layer=4, window=3, num_draft=2, vocab=16, vocab_window=5)
     assert p.exits("hispec", 6) == (2, 4, 6, 6) and p.exits("self_spec", 6) == (2, 6) and p.exits("autoregressive", 6) == (6,)
-    assert Policy(2, 6, 3, 2, vocab=16).exits("hispec", 6) == (2, 6, 6)
-    assert Policy(6, 6, 3, 2, vocab=16).exits("hispec", 6) == (6, 6)  # L_v drafts
-    assert Policy(2, 6, 3, 2).exits("hispec", 6) == (2, 6)  # no middle level
+    assert Policy(draft_layer=2, verify_layer=6, window=3, num_draft=2, vocab=16).exits("hispec", 6) == (2, 6, 6)
+    # L_v drafts
+    assert Policy(draft_layer=6, verify_layer=6, window=3, num_draft=2, vocab=16).exits("hispec", 6) == (6, 6)
+    assert Policy(draft_layer=2, verify_layer=6, window=3, num_draft=2).exits("hispec", 6) == (2, 6)  # no middle level
     assert p.window_at(4, 6) == 3 and p.window_at(6, 6) == 5
 
 

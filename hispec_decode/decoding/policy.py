@@ -94,13 +94,13 @@ class PolicyRules:
         i = bisect.bisect_right(sizes, batch_size) - 1
         return self.batch_thresholds[max(i, 0)][1]
 
-# The policy of a run: one field per knob (layers first, without defaults), then the batch thresholds
-# ((batch size, break-even acceptance), increasing sizes).
+# The policy of a run: one field per knob, then the batch thresholds ((batch size, break-even acceptance),
+# increasing sizes); built by keyword only, so a new knob shifts no call.
 Policy = dataclasses.make_dataclass(
     "Policy",
     [(k.name, k.kind) if k.default is None else (k.name, k.kind, dataclasses.field(default=k.default)) for k in KNOBS]
     + [("batch_thresholds", tuple, dataclasses.field(default=()))],
-    bases=(PolicyRules,), frozen=True)
+    bases=(PolicyRules,), frozen=True, kw_only=True)
 Policy.__module__ = __name__
 Policy.__doc__ = "Exits, maxima and confidence thresholds of one run, checked against the model:\n\n" + "\n".join(
     f"* ``{k.name}``: {k.help}" for k in KNOBS)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..decoding.policy import Policy
-from ..knobs import KNOB
+from ..knobs import KNOBS, read_by
 from .costs import SEQS, CostModel
 from .simulate import Trace, replay
 
@@ -24,37 +24,25 @@ SPECULATION_OFF = 1.5  # a threshold above 1: never speculate
 class Candidate:
     method: str
     policy: Policy
-    num_layers: int = 0  # the model's, when the policy may name it as its intermediate exit (no middle level)
+    num_layers: int  # the model's: where a policy's layer names the full model (no middle level; L_v)
 
     def kwargs(self) -> dict[str, Any]:
-        knobs = {k: v for k, v in self.policy.knobs().items() if self.method in KNOB[k].methods}
-        return {"method": self.method, **knobs, "batch_aware": False, "guard": False}
+        return {"method": self.method, **read_by(self.method, self.policy.knobs()), "batch_aware": False, "guard": False}
 
     def label(self) -> str:
-        p = self.policy
-        copies = (f", lookup<={p.lookup}" + (" in one union tree" if p.drafting == "union" else "")) if p.lookup else ""
-        if p.vocab and self.num_layers and p.draft_layer >= self.num_layers:
-            return f"{self.method} L_v drafts (vocab {p.vocab}), k<={p.num_draft} tau_d={p.draft_threshold:g}" + copies
-        if p.vocab and self.num_layers:
-            middle = f" -> L{p.verify_layer}" if p.verify_layer < self.num_layers else ""
-            return (f"{self.method} L{p.draft_layer}{middle} -> L_v (vocab {p.vocab}) -> L_f, k_d<={p.num_draft} "
-                    f"N_v<={p.vocab_window} tau_d={p.draft_threshold:g}" + copies)
-        return self._label() + copies
+        """The method, its levels (``L2 -> L4 -> L_v(8192) -> L_f``) and the knobs they read (from
+        :data:`~hispec_decode.knobs.KNOBS`): equal labels are equal policies for what they decode."""
+        p, n = self.policy, self.num_layers
+        if self.method == "autoregressive":
+            return self.method
+        exits = p.exits(self.method, n)
+        levels = [f"L_v({p.vocab})" if e >= n else f"L{e}" for e in exits[:-1]] + ["L_f"]
+        knobs = [f"{k.symbol}={_value(getattr(p, k.name))}" for k in KNOBS if k.shown(self.method, p, n)]
+        return f"{self.method} {' -> '.join(levels)}: {' '.join(knobs)}"
 
-    def _label(self) -> str:
-        p = self.policy
-        if p.tree != "chain":
-            middle = "no middle level" if p.verify_layer >= self.num_layers else f"L{p.verify_layer} prunes, N_i<={p.window}"
-            return (f"{self.method} L{p.draft_layer} {p.tree} tree <={p.tree_nodes} nodes, width {p.tree_width}, depth "
-                    f"{p.num_draft}, {middle}, tau_d={p.draft_threshold:g} tau_v={p.verify_threshold:g}")
-        if self.method == "hispec" and self.num_layers and p.verify_layer >= self.num_layers:
-            return f"hispec L{p.draft_layer}/L{p.verify_layer}: no middle level, k<={p.num_draft} tau_d={p.draft_threshold:g}"
-        if self.method == "hispec":
-            return (f"hispec L{p.draft_layer}/L{p.verify_layer} k_d<={p.num_draft} N_i<={p.window} "
-                    f"tau_d={p.draft_threshold:g} tau_v={p.verify_threshold:g}")
-        if self.method == "self_spec":
-            return f"self_spec L{p.draft_layer} k<={p.num_draft} tau_d={p.draft_threshold:g}"
-        return self.method
+
+def _value(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def predict(candidate: Candidate, traces: list[Trace], costs: CostModel, num_layers: int,

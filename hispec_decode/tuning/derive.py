@@ -29,7 +29,7 @@ import torch
 from .. import machine
 from ..adapter.fingerprint import base_id
 from ..adapter.vocabulary import calibration_prompts, fit_context
-from ..knobs import KNOBS
+from ..knobs import KNOBS, read_by
 from ..decoding.policy import DEFAULT_DRAFT_FRACTION, Policy
 from ..engine.chooser import arm_policies
 from ..files import write_text
@@ -85,30 +85,40 @@ def grid(layers: list[int], num_layers: int, vocab_sizes: tuple[int, ...] = ()) 
     level of each size drafting alone and checking below the full head (under each exit, and under
     each pair), and no speculation at all."""
     n, out = num_layers, []
+
+    def add(draft_layer: int, verify_layer: int = num_layers, **knobs: Any) -> None:
+        """One hispec candidate (N_i is 1 unless given)."""
+        knobs.setdefault("window", 1)
+        out.append(Candidate("hispec", Policy(draft_layer=draft_layer, verify_layer=verify_layer, **knobs), n))
+
     for v in vocab_sizes:
-        out += [Candidate("hispec", Policy(n, n, 1, k, td, 0.0, vocab=v), n) for k, td in VOCAB_ALONE]
-        out.append(Candidate("hispec", Policy(n, n, 1, 2, 0.5, 0.0, lookup=LOOKUP, vocab=v), n))
+        for k, td in VOCAB_ALONE:
+            add(n, num_draft=k, draft_threshold=td, vocab=v)
+        add(n, num_draft=2, draft_threshold=0.5, lookup=LOOKUP, vocab=v)
         for d in sorted(layers):
-            out += [Candidate("hispec", Policy(d, n, 1, k, td, 0.0, vocab=v, vocab_window=w), n)
-                    for (k, td), w in VOCAB_BELOW]
-            out.append(Candidate("hispec", Policy(d, n, 1, 1, 0.0, 0.0, lookup=LOOKUP, vocab=v, vocab_window=4), n))
+            for (k, td), w in VOCAB_BELOW:
+                add(d, num_draft=k, draft_threshold=td, vocab=v, vocab_window=w)
+            add(d, lookup=LOOKUP, vocab=v, vocab_window=4)
         for d, i in itertools.combinations(sorted(layers), 2):
-            out.append(Candidate("hispec", Policy(d, i, 2, 1, 0.0, 0.0, vocab=v, vocab_window=4), n))
+            add(d, i, window=2, vocab=v, vocab_window=4)
     for d in sorted(layers):
-        out += [Candidate("hispec", Policy(d, n, 1, k, td, 0.0), n) for k, td in CHAINS]
-        out += [Candidate("hispec", Policy(d, n, 1, depth, 0.0, 0.0, tree="static", tree_nodes=nodes,
-                                           tree_width=width), n) for nodes, width, depth in STATIC_TREES]
+        for k, td in CHAINS:
+            add(d, num_draft=k, draft_threshold=td)
+        for nodes, width, depth in STATIC_TREES:
+            add(d, num_draft=depth, tree="static", tree_nodes=nodes, tree_width=width)
     for (d, i), (k, w, td, tv) in itertools.product(itertools.combinations(sorted(layers), 2), MIDDLE):
-        out.append(Candidate("hispec", Policy(d, i, w, k, td, tv), n))
+        add(d, i, window=w, num_draft=k, draft_threshold=td, verify_threshold=tv)
     # prompt lookup before the draft exit, or alone
     for d in sorted(layers):
-        out += [Candidate("hispec", Policy(d, n, 1, k, td, 0.0, lookup=LOOKUP), n) for k, td in ((1, 0.0), (1, 0.4), (2, 0.4))]
+        for k, td in ((1, 0.0), (1, 0.4), (2, 0.4)):
+            add(d, num_draft=k, draft_threshold=td, lookup=LOOKUP)
     for d, i in itertools.combinations(sorted(layers), 2):
-        out += [Candidate("hispec", Policy(d, i, w, 1, 0.0, 0.0, lookup=LOOKUP), n) for w in (2, 4)]
+        for w in (2, 4):
+            add(d, i, window=w, lookup=LOOKUP)
     lowest = min(layers, default=max(1, round(n * DEFAULT_DRAFT_FRACTION)))  # no exit drafts in these two
-    out.append(Candidate("hispec", Policy(lowest, n, 1, 1, SPECULATION_OFF, 0.0, lookup=LOOKUP), n))
+    add(lowest, draft_threshold=SPECULATION_OFF, lookup=LOOKUP)
     # plain decoding through the bands: chosen where nothing is predicted to pay
-    out.append(Candidate("hispec", Policy(lowest, n, 1, 1, SPECULATION_OFF, SPECULATION_OFF), n))
+    add(lowest, draft_threshold=SPECULATION_OFF, verify_threshold=SPECULATION_OFF)
     return out
 
 
@@ -167,7 +177,7 @@ def derive(model: Any, traces: list[Trace], costs: CostModel,
                      == c.policy.exits("hispec", n))
     cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
     hispec = policy_dict(best) | {"batch_thresholds": batch_thresholds(costs, n, cap, best, traces)}
-    self_spec = {k: v for k, v in policy_dict(best_self).items() if k not in ("verify_layer", "window", "verify_threshold")}
+    self_spec = read_by("self_spec", policy_dict(best_self))
     self_spec["batch_thresholds"] = batch_thresholds(costs, n, cap, best_self, traces)
     predicted = [{"config": c.label(), "tokens_per_second": round(tps, 2)} for c, tps in scored[:8]]
     eos = model.decoder.default_eos_ids()
@@ -197,9 +207,11 @@ def speculative_overhead(model: Any, prompts: list[list[int]], traces: list[Trac
     time of the fixed policy on a few prompts against its replay without that overhead."""
     n = model.num_layers
     if layers:
-        fixed = Candidate("hispec", Policy(layers[0], layers[1] if len(layers) > 1 else n, 2, 1))
+        fixed = Candidate("hispec", Policy(draft_layer=layers[0], verify_layer=layers[1] if len(layers) > 1 else n,
+                                           window=2, num_draft=1), n)
     else:  # a base without exits: the vocabulary level drafting
-        fixed = Candidate("hispec", Policy(n, n, 1, 2, vocab=min(vocab_sizes(model), default=VOCAB_SIZES[0])), n)
+        fixed = Candidate("hispec", Policy(draft_layer=n, verify_layer=n, window=1, num_draft=2,
+                                           vocab=min(vocab_sizes(model), default=VOCAB_SIZES[0])), n)
     model.generate([prompts[0]], max_new_tokens=4, **fixed.kwargs())  # warm-up
     t0 = time.perf_counter()
     for prompt, trace in zip(prompts, traces):

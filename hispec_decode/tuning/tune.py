@@ -32,6 +32,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..decoding.policy import Policy
+from ..knobs import read_by
 from .candidates import SPECULATION_OFF, Candidate, batch_thresholds, policy_dict, predict
 from .derive import derive, machine_costs, ranked
 from .simulate import Trace, precision_above, record_trace
@@ -65,13 +66,16 @@ def candidates(layers: list[int], num_layers: int) -> list[Candidate]:
                                                   DRAFT_THRESHOLDS, VERIFY_THRESHOLDS):
         if (td == SPECULATION_OFF and k > 1) or (td == tv == SPECULATION_OFF and w > 1):
             continue  # the same policy as one already in the grid (no drafts: k_d is moot; off: so is N_i)
-        out.append(Candidate("hispec", Policy(d, i, w, k, td, tv)))
+        out.append(Candidate("hispec", Policy(draft_layer=d, verify_layer=i, window=w, num_draft=k,
+                                              draft_threshold=td, verify_threshold=tv), num_layers))
     for d, k, td in itertools.product(sorted(layers), (1, 2, 3, 4, 6), DRAFT_THRESHOLDS):
         if td == SPECULATION_OFF and k > 1:
             continue
-        out.append(Candidate("self_spec", Policy(d, d + 1, 1, k, td, 0.0)))
+        out.append(Candidate("self_spec", Policy(draft_layer=d, verify_layer=d + 1, window=1, num_draft=k,
+                                                 draft_threshold=td), num_layers))
         # hispec without its middle level (verify_layer = the full model): L_d's drafts go to L_f
-        out.append(Candidate("hispec", Policy(d, num_layers, 1, k, td, 0.0), num_layers))
+        out.append(Candidate("hispec", Policy(draft_layer=d, verify_layer=num_layers, window=1, num_draft=k,
+                                              draft_threshold=td), num_layers))
     return out
 
 
@@ -102,8 +106,9 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
     best_hispec = [c for c, _ in scored if c.method == "hispec"][:confirm]
     best_self = next(c for c, _ in scored if c.method == "self_spec")
     d, i = layers[0], (layers[1] if len(layers) > 1 else n)  # one exit: no middle level
-    paper = Candidate("hispec", Policy(d, i, **{"window": PAPER["window"], "num_draft": PAPER["num_draft"]}))
-    off = Candidate("hispec", Policy(d, i, 1, 1, SPECULATION_OFF, SPECULATION_OFF))  # plain decoding through the bands
+    paper = Candidate("hispec", Policy(draft_layer=d, verify_layer=i, **PAPER), n)
+    off = Candidate("hispec", Policy(draft_layer=d, verify_layer=i, window=1, num_draft=1,  # plain, through the bands
+                                     draft_threshold=SPECULATION_OFF, verify_threshold=SPECULATION_OFF), n)
     if off not in best_hispec:  # always measured: where nothing pays, the policy stops speculating
         best_hispec.append(off)
     chain = best_hispec[0].policy
@@ -135,7 +140,7 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
     no_middle = [c for c in trees if c.policy.verify_layer >= n]
     best_tree_off = max(no_middle, key=lambda c: confirmed[c.label()]) if no_middle else None
     chosen_self = (best_self if best_tree_off is None or confirmed[best_self.label()] >= confirmed[best_tree_off.label()]
-                   else Candidate("self_spec", best_tree_off.policy))
+                   else Candidate("self_spec", best_tree_off.policy, n))
     cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
     thresholds = batch_thresholds(costs, n, cap, chosen.policy, traces)
     thresholds, batched = confirm_batches(model, batch_prompts or prompts, max_new_tokens, chosen, thresholds)
@@ -154,8 +159,7 @@ def tune(model: Any, prompts: list[list[int]], max_new_tokens: int = 128, confir
               "top_predicted": [{"config": c.label(), **{k: round(v, 3) for k, v in s.items()}} for c, s in scored[:10]],
               "costs": costs.to_dict(), "precision_at_0.9": cap, "batched": batched,
               "tuned_on": time.strftime("%Y-%m-%d")}
-    self_spec = {k: v for k, v in policy_dict(chosen_self.policy).items() if k not in ("verify_layer", "window",
-                                                                                       "verify_threshold")}
+    self_spec = read_by("self_spec", policy_dict(chosen_self.policy))
     report["chosen_self_spec"] = chosen_self.label()
     return {"hispec": policy_dict(chosen.policy) | {"batch_thresholds": thresholds},
             "self_spec": self_spec | {"batch_thresholds": thresholds}, "measurements": report}
