@@ -24,13 +24,15 @@ HIERARCHIES = [("self_spec", LAYERS, None), ("hispec", LAYERS, None), ("hispec",
 
 
 @contextlib.contextmanager
-def ranked(model: HiSpecModel, order: torch.Tensor):
-    before = model.runner.ranking
+def ranked(model: HiSpecModel, order: torch.Tensor, own_tokens: bool = True):
+    before, own_before = model.runner.ranking, model.runner.own_tokens
     model.runner.set_ranking(order)
+    model.runner.own_tokens = own_tokens
     try:
         yield
     finally:
         model.runner.set_ranking(before)
+        model.runner.own_tokens = own_before
 
 
 def test_level_lists():
@@ -63,8 +65,8 @@ def test_greedy_with_vocab_level_equals_transformers(arch, hispec_models, refere
         "all": (torch.tensor(sorted(wanted) + rest), len(wanted)),
         "none": (torch.tensor(rest + sorted(wanted)), len(rest)),
     }
-    for name, (order, size) in orders.items():
-        with ranked(model, order):
+    for name, (order, size) in orders.items():  # without own tokens, "none" names no reference token at all
+        with ranked(model, order, own_tokens=name == "random"):
             for method, draft_layer, verify_layer in HIERARCHIES:
                 accepted = checked = 0
                 for n, prompt in PROMPTS.items():
@@ -82,6 +84,52 @@ def test_greedy_with_vocab_level_equals_transformers(arch, hispec_models, refere
                     assert accepted == (checked if name == "all" else 0), (name, method, accepted, checked)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_vocab_level_names_the_sequence_own_tokens(arch, hispec_models, references):
+    """With a vocabulary that holds none of the reference tokens, L_v still names the ones its sequence has
+    committed: drafting, it proposes them and the full model accepts some; output equals transformers' both ways."""
+    model = hispec_models[arch]
+    wanted = {t for n in PROMPTS for t in references[arch, n]}
+    rest = [t for t in range(VOCAB) if t not in wanted]
+    got = {}
+    for own in (False, True):
+        with ranked(model, torch.tensor(rest + sorted(wanted)), own_tokens=own):
+            accepted = 0
+            for n, prompt in PROMPTS.items():
+                out = model.generate([prompt], max_new_tokens=NEW, method="self_spec", draft_layer=LAYERS, num_draft=2,
+                                     vocab=len(rest))
+                assert out.sequences[0] == references[arch, n], (own, n)
+                accepted += out.stats["levels"][-1]["accepted"]
+            got[own] = accepted
+    assert got[False] == 0 and got[True] > 0, got
+
+
+def test_own_tokens_are_committed_tokens_outside_the_level(hispec_models):
+    """L_v's logits for a sequence: the full LM head's on its level's tokens and on its committed tokens outside
+    them, -inf elsewhere; a tentative token (a draft being judged) is never named."""
+    from hispec_decode.engine.own_tokens import OwnTokens, add_own_logits
+
+    model = hispec_models["llama"]
+    runner, decoder = model.runner, model.decoder
+    with ranked(model, torch.arange(VOCAB)):
+        size = 50
+        inside = runner.level_mask(size)
+        tokens = [3, 60, 7, 60, 75, 90]  # 60 and 75 committed outside the level; 90 tentative
+        own = OwnTokens(size=size)
+        own.update(tokens, 5, inside, decoder.lm_head.weight, decoder.lm_head.bias)
+        assert own.ids == [60, 75] and own.scanned == 5
+        h = decoder.exit_norm(torch.randn(1, 3, decoder.config.hidden_size, generator=torch.Generator().manual_seed(0)))
+        logits = decoder.vocab_logits(h, runner.level_vocab(size))[0]
+        add_own_logits(logits, h[0], own)
+        full = decoder.lm_logits(h)[0].float()
+        named = inside.clone()
+        named[[60, 75]] = True
+        torch.testing.assert_close(logits[:, named].float(), full[:, named], rtol=1e-4, atol=1e-4)
+        assert torch.isinf(logits[:, ~named]).all() and not named[90]
+        own.update(tokens, 6, inside, decoder.lm_head.weight, decoder.lm_head.bias)  # 90 committed now
+        assert own.ids == [60, 75, 90]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "opt"])
 def test_batched_vocab_level_with_preemption(arch, hispec_models, tiny_models):
     model = hispec_models[arch]
@@ -96,11 +144,13 @@ def test_batched_vocab_level_with_preemption(arch, hispec_models, tiny_models):
 
 @pytest.mark.parametrize("hierarchy", [("hispec", 4, None), ("hispec", 1, 4), ("hispec", 1, 2)])
 def test_samples_with_vocab_level_follow_base_distribution(small_vocab_model, hierarchy):
-    """L_v's proposal is its restricted, renormalized distribution: the chi-square test of the sampling
-    tests (3000 draws) with L_v drafting (checked by L_f) and checking L_d's drafts (then L_f checks L_v)."""
+    """L_v's proposal is its restricted, renormalized distribution (its 5 tokens and the sequence's own committed
+    ones): the chi-square test of the sampling tests (3000 draws) with L_v drafting (checked by L_f) and
+    checking L_d's drafts (then L_f checks L_v)."""
     path, reference = small_vocab_model
     model = HiSpecModel.from_pretrained(str(path))
     model.runner.set_ranking(torch.tensor([5, 2, 7, 0, 1, 3, 4, 6]))
+    assert not model.runner.level_mask(5)[[3, 4]].any()  # the prompt's 3 and 4: L_v names them as its own tokens
     method, draft_layer, verify_layer = hierarchy
     params = SamplingParams(do_sample=True, temperature=0.9)
     out = model.generate([[3, 1, 4]] * 3000, max_new_tokens=2, method=method, do_sample=True, temperature=0.9, seed=7,

@@ -23,6 +23,7 @@ from ..errors import HiSpecError
 from ..models.base import DecoderModel
 from ..models.exit_heads import ExitHead
 from .guard import SpeculationGuard
+from .own_tokens import OwnTokens, add_own_logits
 from .sequence import BandRequest, Sequence
 
 
@@ -30,12 +31,14 @@ class ModelRunner:
     """A base model (through its :class:`DecoderModel`) plus exit heads by layer."""
 
     def __init__(self, decoder: DecoderModel, heads: dict[int, ExitHead] | None = None,
-                 use_exit_vocab: bool = True, ranking: torch.Tensor | None = None) -> None:
+                 use_exit_vocab: bool = True, ranking: torch.Tensor | None = None, own_tokens: bool = True) -> None:
         self.decoder = decoder
         self.heads = dict(heads or {})
         # the vocabulary level's rows: token ids, the base's most frequent first (see level_vocab)
         self.ranking = ranking
         self._level_vocabs: dict[int, torch.Tensor] = {}
+        self._level_masks: dict[int, torch.Tensor] = {}
+        self.own_tokens = own_tokens  # L_v also names each sequence's own committed tokens (engine/own_tokens.py)
         self.use_exit_vocab = use_exit_vocab  # use the heads' reduced vocabularies, where they have one
         # exit heads with their own attention keep K/V in extra cache layers after the base's
         cached = sorted(layer for layer, head in self.heads.items() if head.has_cache)
@@ -229,6 +232,8 @@ class ModelRunner:
             if vocab:  # the vocabulary level: the final states, the LM head over its rows only
                 x = self.decoder.exit_norm(torch.cat(newest, dim=1))
                 logits = self.decoder.vocab_logits(x, self.level_vocab(vocab))[0]
+                if self.own_tokens:
+                    self._add_own_tokens(logits, x[0], [requests[i] for i in idx], vocab)
             elif layer in self.feature_layers:
                 x = self._feature_transform(layer, [requests[i].seq for i in idx], [requests[i].num_logits for i in idx],
                                             cache)
@@ -253,9 +258,31 @@ class ModelRunner:
         vocab = seq.policy.vocab if seq.policy is not None else 0
         return layer, (vocab if below_top and layer == self.decoder.num_layers else 0)
 
+    def _add_own_tokens(self, logits: torch.Tensor, h: torch.Tensor, requests: list[BandRequest], size: int) -> None:
+        """Each sequence's committed tokens outside the vocabulary level of ``size`` tokens: their logits
+        into its rows of the level's ``logits`` [n, vocab] (``h``: [n, hidden], normalized final states)."""
+        inside, head = self.level_mask(size), self.decoder.lm_head
+        offset = 0
+        for r in requests:
+            seq, own = r.seq, r.seq.own_tokens
+            if own is None or own.size != size or own.scanned > seq.committed:
+                own = seq.own_tokens = OwnTokens(size=size)
+            own.update(seq.tokens, seq.committed, inside, head.weight, head.bias)
+            add_own_logits(logits[offset : offset + r.num_logits], h[offset : offset + r.num_logits], own)
+            offset += r.num_logits
+
+    def level_mask(self, size: int) -> torch.Tensor:
+        """[vocab] bool: the tokens of the vocabulary level of ``size`` tokens."""
+        inside = self._level_masks.get(size)
+        if inside is None:
+            inside = torch.zeros(self.decoder.lm_head.out_features, dtype=torch.bool)
+            inside[self.level_vocab(size).cpu()] = True
+            self._level_masks[size] = inside
+        return inside
+
     def set_ranking(self, ranking: torch.Tensor | None) -> None:
         """Replace the vocabulary level's token ranking (token ids, most frequent first)."""
-        self.ranking, self._level_vocabs = ranking, {}
+        self.ranking, self._level_vocabs, self._level_masks = ranking, {}, {}
 
     def level_vocab(self, size: int) -> torch.Tensor:
         """The vocabulary level's rows for a vocabulary of ``size`` tokens: the first ``size`` of

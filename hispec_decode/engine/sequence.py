@@ -33,6 +33,7 @@ from ..decoding.sampling import TokenSampler, Verdict
 from ..decoding.tree import DraftTree
 from ..sampling_params import SamplingParams
 from .context_states import ContextStates
+from .own_tokens import OwnTokens
 
 
 class Status(enum.Enum):
@@ -150,6 +151,7 @@ class Sequence:
         self.copy_budget = 0  # prompt lookup's drafts per round at most (0: the policy's; see drafters/lookup.py)
         self.copies_accepted = 0  # prompt lookup's record: copied tokens accepted, copies cut by a rejection
         self.copies_rejected = 0
+        self.own_tokens: OwnTokens | None = None  # L_v's rows for its committed tokens outside it (own_tokens.py)
 
     # -- queries ----------------------------------------------------------------------------
     def processed(self, band: int) -> int:

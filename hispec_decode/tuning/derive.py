@@ -50,7 +50,7 @@ BASE_TRACES, BASE_TOKENS = 4, 96  # a base without an adapter: prompts and token
 VOCAB_SIZES = (4096, 8192, 16384)  # the vocabulary level's sizes tried (those below half the vocabulary)
 VOCAB_ALONE = ((1, 0.0), (2, 0.0), (3, 0.0), (2, 0.5), (3, 0.5), (4, 0.5), (6, 0.7))  # (k, tau_d), L_v drafting
 VOCAB_BELOW = tuple(itertools.product(((1, 0.0), (2, 0.4)), (2, 4, 6)))  # ((k_d, tau_d), N_v), L_d -> L_v
-DERIVATION = 6  # a derived record of another version is derived again
+DERIVATION = 7  # a derived record of another version is derived again
 OVERHEAD_TOKENS = 32  # tokens decoded to measure what a real request adds beyond its passes
 OVERHEAD_PROMPTS = 1  # prompts (the first traces') decoded for it, plainly and speculatively
 

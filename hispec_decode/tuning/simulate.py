@@ -26,6 +26,7 @@ from ..decoding.sampling import Verdict, greedy_verdict, walk_tree
 from ..decoding.tree import DraftTree
 from ..cache.block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from ..engine.model_runner import ModelRunner
+from ..engine.own_tokens import add_own_prefix_logits
 from ..engine.sequence import BandRequest, Counters, Sequence
 from ..engine.strategies import STRATEGIES, run_alone
 from ..decoding.cost_model import CostModel, vocab_key
@@ -92,7 +93,8 @@ def final_states(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
 @torch.inference_mode()
 def add_vocab_rows(runner: ModelRunner, traces: list[Trace], sizes: tuple[int, ...]) -> None:
     """The vocabulary level's top tokens and probabilities along each trace, for each of ``sizes``
-    (its restricted, renormalized distribution over ``runner.level_vocab(size)``)."""
+    (its restricted, renormalized distribution over ``runner.level_vocab(size)`` and the trace's own
+    tokens so far, as the engine's)."""
     decoder = runner.decoder
     for trace in traces:
         sizes = tuple(size for size in sizes if vocab_key(size) not in trace.top)
@@ -101,6 +103,9 @@ def add_vocab_rows(runner: ModelRunner, traces: list[Trace], sizes: tuple[int, .
         x = final_states(runner, trace.tokens)
         for size in sizes:
             logits = decoder.vocab_logits(x, runner.level_vocab(size))[0]
+            if runner.own_tokens:  # as the engine runs it: the sequence's own tokens too
+                add_own_prefix_logits(logits, x[0], trace.tokens, runner.level_mask(size), decoder.lm_head.weight,
+                                      decoder.lm_head.bias)
             conf, top = logits.float().softmax(-1).topk(TOP_K, dim=-1)
             trace.top[vocab_key(size)] = top.numpy().astype(np.int64)
             trace.conf[vocab_key(size)] = conf.numpy().astype(np.float32)
