@@ -270,3 +270,29 @@ def test_a_corrupt_policy_file_is_named_in_a_warning(calibrated, trainable_base,
         model.policy(method="hispec")
     assert any("unreadable" in r.getMessage() and str(path) in r.getMessage() for r in caplog.records)
     assert json.loads(path.read_text())["source"] == "derived"
+
+
+def test_the_grid_is_screened_then_its_fastest_replayed_on_every_trace(calibrated, trainable_base, monkeypatch):
+    """Every grid policy is replayed on the screening traces; only the fastest, the fastest without speculation
+    and the fastest self_spec runs go on to every trace, and the ranking's scores are full-trace predictions."""
+    from hispec_decode.tuning.costs import ROWS, SEQS, CostModel
+
+    heads, traces = calibrated
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    n, eos = model.num_layers, model.decoder.default_eos_ids()
+    rows = sorted(set(ROWS) | set(SEQS))
+    costs = CostModel({r: 1e-3 for r in ROWS}, {r: 1e-3 * (1 + r / 8) for r in ROWS}, {s: 1e-3 for s in SEQS},
+                      {s: 1e-3 * s for s in SEQS}, {layer: {r: 2e-4 for r in rows} for layer in (2, 4, n)}, 1e-3, 1e-3)
+    replays, predict = [], derive.predict
+    monkeypatch.setattr(derive, "predict", lambda c, on, *a: replays.append((c, len(on))) or predict(c, on, *a))
+    scored = derive.ranked(model, traces, costs)
+    everywhere = min(len(traces), derive.TRACES)
+    assert derive.SCREEN_TRACES < everywhere, "the fixture's traces must outnumber the screening ones"
+    assert set(derive.grid([2, 4], n)) <= {c for c, k in replays if k == derive.SCREEN_TRACES}
+    full = {c for c, k in replays if k == everywhere}
+    assert len(full) <= derive.SCREEN_KEEP + 1 + derive.SCREEN_KEEP // 4 + 1 < len(derive.grid([2, 4], n))
+    assert {c for c, _ in scored} <= full
+    assert any(derive._is_plain(c.policy) for c, _ in scored) and any(derive._is_self_spec(c, n) for c, _ in scored)
+    for c, tps in scored[:3]:
+        assert tps == predict(c, traces[:everywhere], costs, n, eos)["tokens_per_second"]
+    assert [tps for _, tps in scored[1:]] == sorted((tps for _, tps in scored[1:]), reverse=True)

@@ -45,7 +45,8 @@ CHAINS = tuple(itertools.product((1, 2, 3, 4), (0.0, 0.4, 0.6, 0.8)))  # (k, tau
 STATIC_TREES = ((2, 2, 1), (3, 3, 1), (4, 4, 1), (5, 4, 2), (6, 3, 2))  # (nodes, width, depth)
 MIDDLE = tuple(itertools.product((1, 2, 3), (2, 4), (0.0, 0.6), (0.0, 0.4)))  # (k_d, N_i, tau_d, tau_v)
 LOOKUP = 8  # tokens copied per round, in the candidates that try prompt lookup
-TRACES = 6  # calibration traces replayed per candidate (the first ones)
+TRACES = 4  # calibration traces replayed per candidate (the first ones; the result is each sequence's prior)
+SCREEN_TRACES, SCREEN_KEEP = 2, 16  # the grid is screened on this many traces; the fastest this many go on to all
 BASE_TRACES, BASE_TOKENS = 4, 96  # a base without an adapter: prompts and tokens of its calibration decode
 VOCAB_SIZES = (4096, 8192, 16384)  # the vocabulary level's sizes tried (those below half the vocabulary)
 VOCAB_ALONE = ((1, 0.0), (2, 0.0), (3, 0.0), (2, 0.5), (3, 0.5), (4, 0.5), (6, 0.7))  # (k, tau_d), L_v drafting
@@ -145,21 +146,49 @@ def refine(best: Candidate, score: float, predicted: Callable[[Candidate], float
 
 
 def ranked(model: Any, traces: list[Trace], costs: CostModel) -> list[tuple[Candidate, float]]:
-    """Every policy of :func:`grid` with its predicted tokens per second under ``costs``, fastest first;
-    the best one refined (:func:`refine`) leads."""
+    """The policies of :func:`grid` with their predicted tokens per second under ``costs``, fastest first:
+    all of them are screened on the first :data:`SCREEN_TRACES` traces; the :data:`SCREEN_KEEP` fastest, the
+    fastest without speculation and the fastest that ``self_spec`` runs are replayed on all; the best one,
+    refined (:func:`refine`) on the screening traces, leads where all the traces predict it faster."""
     n, eos = model.num_layers, model.decoder.default_eos_ids()
     layers = sorted(layer for layer in traces[0].top if layer > 0)
     traces = traces[:TRACES]
     sizes = tuple(-key for key in costs.exits if int(key) < 0)
     if sizes:
         add_vocab_rows(model.runner, traces, sizes)
-    scored = sorted(((c, predict(c, traces, costs, n, eos)["tokens_per_second"]) for c in grid(layers, n, sizes)),
-                    key=lambda cs: -cs[1])
+
+    def screened(candidates: list[Candidate], on: list[Trace]) -> list[tuple[Candidate, float]]:
+        return sorted(((c, predict(c, on, costs, n, eos)["tokens_per_second"]) for c in candidates),
+                      key=lambda cs: -cs[1])
+
+    # every candidate on the first traces, then the fastest and those derive() reads on all of them
+    first = screened(grid(layers, n, sizes), traces[:SCREEN_TRACES])
+    kept = [c for c, _ in first[:SCREEN_KEEP]]
+    kept += [c for c, _ in first if _is_plain(c.policy)][:1]
+    kept += [c for c, _ in first if c not in kept and _is_self_spec(c, n)][:SCREEN_KEEP // 4]
+    scored = screened(kept, traces)
     def priced(c: Candidate) -> bool:  # every exit it drafts or checks at was timed
         return all(layer in costs.exits for layer in c.policy.exits(c.method, n) if layer < n)
 
-    best = refine(scored[0][0], scored[0][1], lambda c: predict(c, traces, costs, n, eos)["tokens_per_second"], priced)
-    return scored if best[0] is scored[0][0] else [best, *scored]
+    # the local search on the screening traces; its result is kept where all the traces agree it is faster
+    screen = traces[:SCREEN_TRACES]
+    start = next(tps for c, tps in first if c == scored[0][0])
+    best, _ = refine(scored[0][0], start, lambda c: predict(c, screen, costs, n, eos)["tokens_per_second"], priced)
+    if best == scored[0][0]:
+        return scored
+    tps = predict(best, traces, costs, n, eos)["tokens_per_second"]
+    return [(best, tps), *scored] if tps > scored[0][1] else scored
+
+
+def _is_plain(policy: Policy) -> bool:
+    """No speculation at all: nothing drafts, nothing is copied."""
+    return policy.draft_threshold > 1 and policy.verify_threshold > 1 and not policy.lookup
+
+
+def _is_self_spec(candidate: Candidate, num_layers: int) -> bool:
+    """A policy self_spec runs as it is: no middle level, the same levels under either method."""
+    p = candidate.policy
+    return p.verify_layer >= num_layers and p.exits("self_spec", num_layers) == p.exits("hispec", num_layers)
 
 
 def derive(model: Any, traces: list[Trace], costs: CostModel,
@@ -170,11 +199,9 @@ def derive(model: Any, traces: list[Trace], costs: CostModel,
     layers = sorted(layer for layer in traces[0].top if layer > 0)
     scored = scored if scored is not None else ranked(model, traces, costs)
     traces = traces[:TRACES]
-    plain = next(tps for c, tps in scored if c.policy.draft_threshold > 1 and c.policy.verify_threshold > 1
-                 and not c.policy.lookup)  # no speculation, prefills included as in every replay
+    plain = next(tps for c, tps in scored if _is_plain(c.policy))  # no speculation, prefills included as in every replay
     best = scored[0][0].policy
-    best_self = next(c.policy for c, _ in scored if c.policy.verify_layer >= n and c.policy.exits("self_spec", n)
-                     == c.policy.exits("hispec", n))
+    best_self = next(c.policy for c, _ in scored if _is_self_spec(c, n))
     cap = max(filter(None, (precision_above(traces, layer, 0.9) for layer in layers)), default=0.9)
     hispec = policy_dict(best) | {"batch_thresholds": batch_thresholds(costs, n, cap, best, traces)}
     self_spec = read_by("self_spec", policy_dict(best_self))
