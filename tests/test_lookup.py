@@ -173,7 +173,10 @@ def test_lookup_copies_in_a_batch_only_what_pays_there(small_vocab_model):
     assert drafter.paying(seq) == 0 and drafter.tokens(seq, prompt, 16) == []
     for _ in range(20):  # then copies accepted whole
         drafter.feedback(seq, Draft(drafter, 4), 4)
-    assert seq.copies_accepted == 80 and seq.copies_rejected == 3
+    record = drafter.state(seq)  # the drafter's own record, kept on the sequence
+    assert (record.accepted, record.rejected) == (80, 3)
+    other = Sequence(1, prompt, BlockManager(64, 16), (1, 2), policy=policy, limit=len(prompt) + 16)
+    assert drafter.state(other).accepted == 0, "another sequence starts its own record"
     assert drafter.paying(seq) > want and drafter.paying(seq) <= 8
     seq.batch_size = 1
     assert drafter.paying(seq) == 8
@@ -181,7 +184,8 @@ def test_lookup_copies_in_a_batch_only_what_pays_there(small_vocab_model):
 
 def test_a_new_drafter_is_one_class(tiny_models, hispec_models):
     """The drafter interface: a class defined anywhere registers itself and drafts (here: the last token
-    again, as point masses, before the draft exit); output stays transformers' token for token."""
+    again, as point masses, before the draft exit), keeping state per sequence (its proposals so far);
+    output stays transformers' token for token."""
     from hispec_decode.engine.drafters import base
 
     tiny, model = tiny_models["llama"], hispec_models["llama"]
@@ -196,10 +200,15 @@ def test_a_new_drafter_is_one_class(tiny_models, hispec_models):
         def tokens(self, seq, context, count):
             return [context[-1]] * min(2, count)
 
+        def new_state(self):
+            return []  # this sequence's proposals
+
         def propose(self, seq, threshold):
             copied = self.tokens(seq, seq.tokens, seq.room())
             seq.tokens += copied
-            calls.append(len(copied))
+            mine = self.state(seq)
+            mine.append(len(copied))
+            calls.append((seq.seq_id, len(copied), len(mine)))
             return base.Draft(self, len(copied)) if copied else None
             yield
 
@@ -208,6 +217,12 @@ def test_a_new_drafter_is_one_class(tiny_models, hispec_models):
             out = model.generate([prompt], max_new_tokens=12, method="hispec", draft_layer=1, verify_layer=3,
                                  guard=False)
             assert out.sequences[0] == tiny.hf_generate(prompt, 12)
-        assert calls and max(calls) == 2
+        assert calls and max(n for _, n, _ in calls) == 2
+        calls.clear()
+        out = model.generate(REPEATING[:2], max_new_tokens=12, method="hispec", draft_layer=1, verify_layer=3,
+                             guard=False, batch_aware=False)
+        assert out.sequences == [tiny.hf_generate(p, 12) for p in REPEATING[:2]]
+        seen = {seq_id: [k for s, _, k in calls if s == seq_id] for seq_id, _, _ in calls}
+        assert len(seen) == 2 and all(k == list(range(1, len(k) + 1)) for k in seen.values()), seen
     finally:
         base._REGISTRY[:] = [d for d in base._REGISTRY if d.name != "repeat"]

@@ -148,9 +148,7 @@ class Sequence:
         self.batch_size = 1  # sequences running beside it (incl. itself) when it last received logits
         self.speculate = True  # rounds may speculate (the engine's guard turns it off where speculation loses)
         self.chooser: Any = None  # its RoundChooser (engine/chooser.py): each round's arm, at batch 1
-        self.copy_budget = 0  # prompt lookup's drafts per round at most (0: the policy's; see drafters/lookup.py)
-        self.copies_accepted = 0  # prompt lookup's record: copied tokens accepted, copies cut by a rejection
-        self.copies_rejected = 0
+        self.drafter_state: dict[str, Any] = {}  # each drafter's own state for this sequence (Drafter.state)
         self.own_tokens: OwnTokens | None = None  # L_v's rows for its committed tokens outside it (own_tokens.py)
 
     # -- queries ----------------------------------------------------------------------------

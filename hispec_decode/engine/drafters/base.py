@@ -81,6 +81,17 @@ class Drafter(ABC):
     def feedback(self, seq: Sequence, draft: Draft, accepted: int) -> None:
         """The check accepted ``accepted`` of the tokens this drafter proposed."""
 
+    def new_state(self) -> Any:
+        """A new sequence's state of this drafter (None: it keeps none)."""
+        return None
+
+    def state(self, seq: Sequence) -> Any:
+        """This drafter's state for ``seq``: made by :meth:`new_state` when first asked, kept on the sequence
+        (``seq.drafter_state``, by name) and gone with it."""
+        if self.name not in seq.drafter_state:
+            seq.drafter_state[self.name] = self.new_state()
+        return seq.drafter_state[self.name]
+
 
 def registered() -> tuple[Drafter, ...]:
     """Every drafter, in the order they are tried."""

@@ -12,6 +12,8 @@ copying stops at the first d with q^d below the floor."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ...decoding.lookup import lookup
 from ..sequence import Sequence
 from .base import Draft, Drafter, DraftLoop
@@ -20,16 +22,28 @@ PRIOR_ACCEPTED = 3  # pseudo-counts of a sequence's record of copies before its 
 PRIOR_REJECTED = 1
 
 
+@dataclass
+class CopyRecord:
+    """A sequence's record of its copies."""
+
+    budget: int = 0  # drafts per round at most (0: the policy's)
+    accepted: int = 0  # copied tokens accepted
+    rejected: int = 0  # copies cut by a rejection
+
+
 class PromptLookup(Drafter):
     name = "lookup"
     order = 10
     point_mass = True
 
+    def new_state(self) -> CopyRecord:
+        return CopyRecord()
+
     def active(self, seq: Sequence) -> bool:
         return seq.policy.copies(seq.batch_size)
 
     def tokens(self, seq: Sequence, context: list[int], count: int) -> list[int]:
-        budget = min(seq.policy.lookup, seq.copy_budget or seq.policy.lookup, count, self.paying(seq))
+        budget = min(seq.policy.lookup, self.state(seq).budget or seq.policy.lookup, count, self.paying(seq))
         out = []
         for token in lookup(context, budget):
             out.append(token)
@@ -49,8 +63,8 @@ class PromptLookup(Drafter):
         floor = seq.policy.floor(seq.batch_size)
         if floor <= 0:
             return seq.policy.lookup
-        q = (seq.copies_accepted + PRIOR_ACCEPTED) / (
-            seq.copies_accepted + seq.copies_rejected + PRIOR_ACCEPTED + PRIOR_REJECTED)
+        record = self.state(seq)
+        q = (record.accepted + PRIOR_ACCEPTED) / (record.accepted + record.rejected + PRIOR_ACCEPTED + PRIOR_REJECTED)
         n, chance = 0, q
         while n < seq.policy.lookup and chance >= floor:
             n, chance = n + 1, chance * q
@@ -58,6 +72,7 @@ class PromptLookup(Drafter):
 
     def feedback(self, seq: Sequence, draft: Draft, accepted: int) -> None:
         proposed = len(draft.nodes[self]) if draft.nodes else draft.count
-        seq.copies_accepted += accepted
-        seq.copies_rejected += accepted < proposed  # each copy ends at its first rejected token
-        seq.copy_budget = max(2, 2 * accepted)
+        record = self.state(seq)
+        record.accepted += accepted
+        record.rejected += accepted < proposed  # each copy ends at its first rejected token
+        record.budget = max(2, 2 * accepted)
