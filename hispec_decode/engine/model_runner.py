@@ -31,14 +31,14 @@ class ModelRunner:
     """A base model (through its :class:`DecoderModel`) plus exit heads by layer."""
 
     def __init__(self, decoder: DecoderModel, heads: dict[int, ExitHead] | None = None,
-                 use_exit_vocab: bool = True, ranking: torch.Tensor | None = None, own_tokens: bool = True) -> None:
+                 use_exit_vocab: bool = True, ranking: torch.Tensor | None = None) -> None:
         self.decoder = decoder
         self.heads = dict(heads or {})
         # the vocabulary level's rows: token ids, the base's most frequent first (see level_vocab)
         self.ranking = ranking
         self._level_vocabs: dict[int, torch.Tensor] = {}
         self._level_masks: dict[int, torch.Tensor] = {}
-        self.own_tokens = own_tokens  # L_v also names each sequence's own committed tokens (engine/own_tokens.py)
+        self.own_tokens = True  # L_v also names each sequence's committed tokens (own_tokens.py; tests: off)
         self.use_exit_vocab = use_exit_vocab  # use the heads' reduced vocabularies, where they have one
         # exit heads with their own attention keep K/V in extra cache layers after the base's
         cached = sorted(layer for layer, head in self.heads.items() if head.has_cache)

@@ -32,8 +32,9 @@ class OwnTokens:
     size: int  # the level's size these are outside of
     scanned: int = 0  # tokens[:scanned] are looked at
     ids: list[int] = field(default_factory=list)
-    rows: torch.Tensor | None = None  # [len(ids), hidden] LM-head rows (None: no own token yet)
-    bias: torch.Tensor | None = None  # [len(ids)] the LM head's bias, where it has one
+    index: torch.Tensor | None = None  # [m] ``ids`` as a tensor (None: no own token yet)
+    rows: torch.Tensor | None = None  # [m, hidden] their LM-head rows
+    bias: torch.Tensor | None = None  # [m] the LM head's bias, where it has one
 
     def update(self, tokens: list[int], committed: int, inside: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None) -> None:
@@ -41,31 +42,32 @@ class OwnTokens:
         level's tokens) and not yet kept get their rows of ``weight`` [vocab, hidden] (and ``bias``)."""
         if committed <= self.scanned:
             return
-        seen = set(self.ids)
-        new = []
-        for t in tokens[self.scanned : committed]:
-            if t not in seen and not bool(inside[t]):
-                seen.add(t)
-                new.append(t)
+        chunk = tokens[self.scanned : committed]
         self.scanned = committed
+        kept = set(self.ids)
+        new = [t for t, known in zip(chunk, inside[torch.tensor(chunk)].tolist()) if not known and t not in kept]
+        new = list(dict.fromkeys(new))
         if not new:
             return
         index = torch.tensor(new, device=weight.device)
+        self.ids += new
+        self.index = index if self.index is None else torch.cat([self.index, index])
         rows = weight.index_select(0, index)
         self.rows = rows if self.rows is None else torch.cat([self.rows, rows])
         if bias is not None:
             b = bias.index_select(0, index)
             self.bias = b if self.bias is None else torch.cat([self.bias, b])
-        self.ids += new
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Their logits [n, m] for normalized states ``h`` [n, hidden]."""
+        return F.linear(h.to(self.rows.dtype), self.rows, self.bias)
 
 
 def add_own_logits(logits: torch.Tensor, h: torch.Tensor, own: OwnTokens) -> None:
     """Write the logits of ``own``'s tokens for normalized states ``h`` [n, hidden] into ``logits``
     [n, vocab] (the level's logits, ``-inf`` outside it)."""
-    if own.rows is None:
-        return
-    values = F.linear(h.to(own.rows.dtype), own.rows, own.bias)  # [n, m]
-    logits[:, torch.tensor(own.ids, device=logits.device)] = values.to(logits.dtype)
+    if own.index is not None:
+        logits[:, own.index] = own.logits(h).to(logits.dtype)
 
 
 def add_own_prefix_logits(logits: torch.Tensor, h: torch.Tensor, tokens: list[int], inside: torch.Tensor,
@@ -74,12 +76,12 @@ def add_own_prefix_logits(logits: torch.Tensor, h: torch.Tensor, tokens: list[in
     [T, ...] predicts the token after ``tokens[:t + 1]`` and names the own tokens among those only."""
     own = OwnTokens(size=0)
     own.update(tokens, len(tokens), inside, weight, bias)
-    if own.rows is None:
+    if own.index is None:
         return
     first: dict[int, int] = {}
     for i, t in enumerate(tokens):
         first.setdefault(t, i)
-    values = F.linear(h.to(own.rows.dtype), own.rows, own.bias).to(logits.dtype)  # [T, m]
+    values = own.logits(h).to(logits.dtype)  # [T, m]
     since = torch.tensor([first[t] for t in own.ids], device=values.device)
     values[torch.arange(values.shape[0], device=values.device)[:, None] < since[None]] = float("-inf")
-    logits[:, torch.tensor(own.ids, device=logits.device)] = values
+    logits[:, own.index] = values

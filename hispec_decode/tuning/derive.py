@@ -164,7 +164,7 @@ def ranked(model: Any, traces: list[Trace], costs: CostModel) -> list[tuple[Cand
     # every candidate on the first traces, then the fastest and those derive() reads on all of them
     first = screened(grid(layers, n, sizes), traces[:SCREEN_TRACES])
     kept = [c for c, _ in first[:SCREEN_KEEP]]
-    kept += [c for c, _ in first if _is_plain(c.policy)][:1]
+    kept += [c for c, _ in first if c not in kept and _is_plain(c.policy)][:1]
     kept += [c for c, _ in first if c not in kept and _is_self_spec(c, n)][:SCREEN_KEEP // 4]
     scored = screened(kept, traces)
     def priced(c: Candidate) -> bool:  # every exit it drafts or checks at was timed
