@@ -62,9 +62,9 @@ SpeculativeConfig = dataclasses.make_dataclass("SpeculativeConfig", [
     ("use_exit_vocab", bool, field(default=True, metadata=help_text(
         "early exits predict over the heads' reduced vocabularies, where they have one"))),
     ("guard", bool, field(default=True, metadata=help_text(
-        "speculate only where it pays: alone, each sequence chooses every round between plain decoding, the draft "
-        "exit, prompt lookup and their union by its own acceptance and this machine's pass costs; in a batch, "
-        "speculation is measured against plain decoding on the engine's own steps (off: always as the policy says)"))),
+        "speculate only where it pays: each sequence chooses every round between plain decoding, the draft exit, "
+        "prompt lookup and their union by its own acceptance and this machine's pass costs, alone or in a batch "
+        "(off: always as the policy says)"))),
 ], bases=(SpeculativeChecks,), frozen=True, kw_only=True)
 SpeculativeConfig.__module__ = __name__
 SpeculativeConfig.__doc__ = ("The decoding method, its policy knobs (None: the default) and three switches, fixed "

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from hispec_decode.serving import ServerConfig
 
 # under pytest-xdist (scripts/test.sh runs two workers) the workers share the machine's cores
+os.environ["HISPEC_DERIVE"] = "now"  # policies are derived in the test's own process (test_derive tests the worker)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
@@ -93,13 +94,11 @@ def save_tiny(name: str, directory: Path, seed: int = 0, mutate=None) -> Tiny:
 
 @pytest.fixture(scope="session", autouse=True)
 def _policies_run_as_they_are():
-    """Tests of decoding run each policy as it is: the speculation guard always lets it speculate here, and
-    each sequence's round chooser always takes the policy (tests/test_guard.py and tests/test_chooser.py
-    test them)."""
-    from hispec_decode.engine import chooser, guard
+    """Tests of decoding run each policy as it is: each sequence's round chooser always takes the policy
+    (tests/test_chooser.py tests it)."""
+    from hispec_decode.engine import chooser
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(guard.SpeculationGuard, "speculate", lambda self, policy, batch_size: True)
         mp.setattr(chooser.RoundChooser, "choose", lambda self, seq: self.policy)
         yield
 

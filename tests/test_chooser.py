@@ -78,6 +78,8 @@ def test_any_order_of_arms_is_lossless(arch, tiny_models, hispec_models, monkeyp
             for prompt in REPEATING:
                 out = model.generate([prompt], max_new_tokens=NEW, method="hispec", **kwargs)
                 assert out.sequences[0] == tiny.hf_generate(prompt, NEW), (kwargs, prompt)
+            out = model.generate(REPEATING, max_new_tokens=NEW, method="hispec", **kwargs)  # one batch
+            assert out.sequences == [tiny.hf_generate(p, NEW) for p in REPEATING], kwargs
     finally:
         model.runner.set_ranking(before)
 
@@ -132,8 +134,8 @@ def test_drafts_always_accepted_win_and_never_accepted_lose(tmp_path, choosing, 
 
 
 def test_a_sequence_starts_from_the_prior_not_from_its_neighbours_evidence(tmp_path, choosing, monkeypatch):
-    """A request whose drafts all lose does not turn speculation off for the next one (the guard's state
-    was shared by every request of the model): the next request's chooser starts from the prior."""
+    """A request whose drafts all lose does not turn speculation off for the next one (a guard's state
+    shared by every request of the model once did): the next request's chooser starts from the prior."""
     accepting = save_tiny("llama", tmp_path / "accepting", mutate=identity_above(1))
     model = _with_costs(accepting.load(), monkeypatch, flat_costs(LAYERS, (1, 3)))
     engine = model.build_engine(method="hispec", draft_layer=1, verify_layer=3, num_draft=3, max_new_tokens=30)
@@ -141,10 +143,11 @@ def test_a_sequence_starts_from_the_prior_not_from_its_neighbours_evidence(tmp_p
     while engine.has_unfinished():
         engine.step()
     seq = engine.sequences[first]
-    seq.chooser.evidence["policy", False].tokens = 0.0  # as if its drafts had all been rejected
+    seq.chooser.evidence["policy", False, 1].tokens = 0.0  # as if its drafts had all been rejected
     second = engine.add_request([4, 4, 8])
-    assert engine.sequences[second].chooser is not seq.chooser
-    assert engine.sequences[second].chooser.evidence["policy", False].tokens > 0  # the prior
+    fresh = engine.sequences[second].chooser
+    assert fresh is not seq.chooser and not fresh.evidence
+    assert fresh._evidence("policy").tokens > 0  # the prior
 
 
 def test_a_round_is_priced_as_the_replay_prices_it(tiny_models):
@@ -185,8 +188,8 @@ def test_arms_keep_the_levels_and_retries_back_off(choosing):
     assert arms["copy"].lookup and arms["copy"].draft_threshold > 1 and not arms["exit"].lookup
     c = RoundChooser(policy, flat_costs(LAYERS, (2, 4, -50)), LAYERS, priors={"policy": 1e-6, "exit": 1e-6,
                                                                               "copy": 1e-6})
-    repeating = type("Seq", (), {"room": lambda self: 10, "tokens": [1, 2, 1, 2], "batch_size": 1})()
-    fresh = type("Seq", (), {"room": lambda self: 10, "tokens": [1, 2, 3, 4], "batch_size": 1})()
+    repeating = type("Seq", (), {"room": lambda self: 10, "tokens": [1, 2, 1, 2], "batch_size": 1, "drafter_state": {}})()
+    fresh = type("Seq", (), {"room": lambda self: 10, "tokens": [1, 2, 3, 4], "batch_size": 1, "drafter_state": {}})()
     assert c.offered(repeating) == ["policy", "plain", "exit", "copy"] and c.offered(fresh) == ["policy", "plain"]
     tried = []
     for _ in range(600):  # drafts never commit more than a plain step here: retries back off
@@ -196,5 +199,48 @@ def test_arms_keep_the_levels_and_retries_back_off(choosing):
         c.record(1)
     late = tried[300:]
     assert late.count("policy") <= 300 // MAX_RETRY_EVERY + 1 and late.count("plain") >= 290
-    assert c.evidence["policy", True].since == 0  # the other kind's evidence was not touched
+    assert ("policy", True, 1) not in c.evidence  # the other kind's evidence was not touched
     assert chooser.DECAY < 1
+
+
+def test_in_a_batch_each_sequence_follows_its_own_evidence(tmp_path, choosing, monkeypatch):
+    """A batch of four: exits equal to the final layer win rounds in a batch too (after the first retry:
+    a batch starts from plain decoding's rate); heads that always propose one fixed token leave the batch
+    plain but for bounded retries; the output equals transformers' either way."""
+    prompts = [[5, 9, 2], [4, 4, 8, 1], [7, 3], [2, 6, 6, 1, 9]]
+    accepting = save_tiny("llama", tmp_path / "accepting", mutate=identity_above(1))
+    model = _with_costs(accepting.load(), monkeypatch, flat_costs(LAYERS, (1, 3)))
+    out = model.generate(prompts, max_new_tokens=60, method="hispec", draft_layer=1, verify_layer=3, num_draft=3)
+    assert out.sequences == [accepting.hf_generate(p, 60) for p in prompts]
+    for seq in out.seqs:
+        picks = seq.chooser.picks
+        assert picks.get("policy", 0) >= picks.get("plain", 0), picks
+        assert {key[2] for key in seq.chooser.evidence} == {4}  # the batch's class, not batch 1's
+
+    base = save_tiny("llama", tmp_path / "base")
+    adapter = HiSpecAdapter.create(base.load().decoder, str(base.path), [ExitSpec(1, "draft", "residual_linear"),
+                                                                        ExitSpec(3, "intermediate", "residual_linear")])
+    for spec in adapter.config.exits:
+        zero_head(adapter.head(spec.layer))
+    adapter.save_pretrained(tmp_path / "heads")
+    model = _with_costs(base.load(heads=str(tmp_path / "heads")), monkeypatch, flat_costs(LAYERS, (1, 3)))
+    prompts = [[(i * 37 + 11 * j) % 100 for i in range(17)] for j in range(1, 5)]
+    out = model.generate(prompts, max_new_tokens=100, method="hispec", draft_layer=1, verify_layer=3, num_draft=3)
+    assert out.sequences == [base.hf_generate(p, 100) for p in prompts]
+    arms = out.stats["arms"]
+    assert arms.get("plain", 0) >= 0.8 * sum(arms.values()) and arms.get("policy", 0) >= 4, arms
+
+
+def test_a_drafted_row_costs_more_the_more_rows_the_batch_spends():
+    """On a convex row-cost curve an extra row's price rises with the step's rows, and the shares of a
+    step's sequences add up to the step's own cost."""
+    seqs = (1, 2, 4, 8, 16, 32)
+    layer = {n: 1e-4 * (1 + (n / 8) ** 2) for n in seqs}  # memory-bound, then compute-bound
+    costs = CostModel({n: 1e-5 for n in seqs}, layer, {n: 2e-5 for n in seqs}, layer, {})
+    alone = costs.share(0, 4, 4, 4)  # the only sequence with extra rows
+    crowded = costs.share(0, 4, 4, 4, total=16)  # three more sequences drafting as much
+    assert alone < crowded
+    rows = [4, 4, 1, 1]
+    shares = sum(costs.share(0, 4, r, 4, total=sum(rows)) for r in rows)
+    assert shares == pytest.approx(costs.band(0, 4, sum(rows), 4))
+    assert costs.share(0, 4, 1, 4, total=10) == pytest.approx(costs.band(0, 4, 4, 4) / 4)  # a plain row

@@ -226,3 +226,18 @@ def test_a_new_drafter_is_one_class(tiny_models, hispec_models):
         assert len(seen) == 2 and all(k == list(range(1, len(k) + 1)) for k in seen.values()), seen
     finally:
         base._REGISTRY[:] = [d for d in base._REGISTRY if d.name != "repeat"]
+
+
+def test_a_sequences_index_says_what_a_scan_says():
+    """``PromptLookup.can_propose`` (an index grown with the sequence) agrees with a full ``lookup`` scan
+    at every length, on random token streams with repeats."""
+    import random
+
+    from hispec_decode.engine.drafters.lookup import PromptLookup
+
+    drafter, rng = PromptLookup(), random.Random(0)
+    for trial in range(30):
+        seq = type("Seq", (), {"tokens": [], "drafter_state": {}, "room": lambda self: 10})()
+        for _ in range(60):
+            seq.tokens.append(rng.randrange(4 + trial % 5))
+            assert drafter.can_propose(seq) == bool(lookup(seq.tokens, 1)), seq.tokens

@@ -47,26 +47,29 @@ class CostModel:
     speculative_request: float = 0.0  # the same for a drafting, checking or verifying request (gates, verdicts)
 
     def band(self, lo: int, hi: int, rows: int, seqs: int = 1) -> float:
-        """Seconds of one pass of ``layers[lo:hi]`` over ``rows`` rows spread over ``seqs`` sequences."""
+        """Seconds of one pass of ``layers[lo:hi]`` over ``rows`` rows spread over ``seqs`` sequences (in a
+        batch, rows beyond one per sequence cost what as many more sequences would: the measured curve)."""
         if rows <= 0 or hi <= lo:
             return 0.0
         if seqs <= 1:
             return interpolate(self.call_rows, rows) + (hi - lo) * interpolate(self.layer_rows, rows)
-        # a batch: as many sequences, plus what their extra rows add beyond one each
-        base = interpolate(self.call_seqs, seqs) + (hi - lo) * interpolate(self.layer_seqs, seqs)
-        extra = rows - seqs
-        per_row = (interpolate(self.layer_seqs, seqs + 1) - interpolate(self.layer_seqs, seqs)) * (hi - lo)
-        return base + max(0, extra) * per_row
+        return interpolate(self.call_seqs, seqs) + (hi - lo) * interpolate(self.layer_seqs, max(rows, seqs))
 
-    def share(self, lo: int, hi: int, rows: int, seqs: int) -> float:
-        """What one sequence's ``rows`` add to a pass of ``layers[lo:hi]`` shared by ``seqs`` sequences: its
-        share of a one-row-each pass, and every row beyond its first at the batch's cost of a row."""
+    def share(self, lo: int, hi: int, rows: int, seqs: int, total: int | None = None) -> float:
+        """What one sequence's ``rows`` add to a pass of ``layers[lo:hi]`` shared by ``seqs`` sequences with
+        ``total`` rows in all (default: one each, plus this sequence's extra rows): its share of a one-row-each
+        pass, and every row beyond its first at the average cost of the pass's extra rows on the measured
+        curve, so rows cost more the more of them the batch spends."""
         if seqs <= 1:
             return self.band(lo, hi, rows)
         if rows <= 0 or hi <= lo:
             return 0.0
-        per_row = (interpolate(self.layer_seqs, seqs + 1) - interpolate(self.layer_seqs, seqs)) * (hi - lo)
-        return self.band(lo, hi, seqs, seqs) / seqs + max(0, rows - 1) * max(per_row, 0.0)
+        total = max(total or 0, seqs + rows - 1)
+        extra = 0.0
+        if total > seqs:
+            per_row = (interpolate(self.layer_seqs, total) - interpolate(self.layer_seqs, seqs)) * (hi - lo) / (total - seqs)
+            extra = (rows - 1) * max(per_row, 0.0)
+        return self.band(lo, hi, seqs, seqs) / seqs + extra
 
     def exit(self, layer: int, rows: int) -> float:
         return interpolate(self.exits[layer], rows) if rows > 0 else 0.0

@@ -82,10 +82,6 @@ class PolicyRules:
         floor = self.floor(batch_size)
         return max(self.draft_threshold, floor), max(self.verify_threshold, floor)
 
-    def copies(self, batch_size: int) -> bool:
-        """Whether prompt lookup runs at this batch size (while a drafted row pays for itself there)."""
-        return self.lookup > 0 and self.floor(batch_size) <= 1
-
     def floor(self, batch_size: int) -> float:
         """The acceptance a speculated token needs to pay for its rows in a batch of this size."""
         if not self.batch_thresholds:

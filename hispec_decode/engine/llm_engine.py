@@ -13,7 +13,6 @@ batched pass. A request whose prompt plus token limit cannot fit in the whole po
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence as Seq
 
@@ -24,7 +23,7 @@ from ..errors import HiSpecError, OutOfBlocksError
 from ..inputs import prompt_rows
 from ..sampling_params import SamplingParams
 from ..decoding.cost_model import CostModel
-from .chooser import RoundChooser
+from .chooser import RoundChooser, request_rows
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import BandRequest, Sequence, Status
@@ -53,13 +52,13 @@ class LLMEngine:
                  engine_config: EngineConfig | None = None, sampling_params: SamplingParams | None = None,
                  costs: CostModel | None = None, priors: dict[str, float] | None = None) -> None:
         engine_config = engine_config or EngineConfig()
-        # with this machine's pass costs, each sequence chooses its rounds' arms at batch 1 (engine/chooser.py)
+        # with this machine's pass costs, each sequence chooses its rounds' arms (engine/chooser.py)
         self.costs, self.priors = costs, priors or {}
         self.runner, self.speculative_config, self.policy = runner, speculative_config, policy
         self.engine_config, self.sampling_params = engine_config, sampling_params or SamplingParams()
         self.method = speculative_config.method
         self.strategy = STRATEGIES[self.method]
-        self.guarded = speculative_config.guard and self.method != "autoregressive"  # see engine.guard
+        self.choosing = speculative_config.guard and self.method != "autoregressive" and costs is not None
         self.exits = self.strategy.exits(policy, runner.decoder.num_layers)
         self.cache = runner.new_cache(engine_config.num_blocks or DEFAULT_SERVER_BLOCKS, engine_config.block_size)
         self.scheduler = Scheduler(self.cache.manager, len(self.exits), engine_config.schedule,
@@ -95,7 +94,7 @@ class LLMEngine:
         rid = next(self._ids)
         seq = Sequence(rid, row, manager, self.exits, TokenSampler(params), limit,
                        params.eos_ids(decoder.default_eos_ids()), self.policy, self.cache)
-        if self.guarded and self.costs is not None and seq.sampler.path_free:
+        if self.choosing and seq.sampler.path_free:  # a seeded sample follows its policy (its path)
             seq.chooser = RoundChooser(self.policy, self.costs, decoder.num_layers, self.priors)
         self.sequences[rid] = seq
         self.scheduler.add(seq)
@@ -106,32 +105,14 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Admit what fits, serve one sweep, retire finished sequences; returns committed tokens."""
-        t0 = time.perf_counter()
-        size = len(self.scheduler.running)
         for seq in self.scheduler.admit():
             seq.batch_size = len(self.scheduler.running)
-            seq.speculate = self._speculate(seq, seq.batch_size)
             seq.decode_loop = self.strategy.decode(seq)
             seq.request = next(seq.decode_loop)
         if not self.scheduler.running:
             return []
-        # a step of a steady batch (no newcomer) whose rows all follow the guard (a seeded sample follows its
-        # policy; a sequence alone with its chooser follows that)
-        guarded = self.guarded and size == len(self.scheduler.running) and all(
-            s.sampler.path_free and (s.chooser is None or size > 1) for s in self.scheduler.running)
-        if guarded:
-            speculate = self.runner.guard.speculate(self.policy, size)
-            for seq in self.scheduler.running:
-                seq.speculate = speculate
-        elif size == 1 == len(self.scheduler.running):
-            for seq in self.scheduler.running:
-                seq.speculate = self._speculate(seq, 1)
         batch, requests = self._prefill_budget(self.scheduler.next_batch())
-        for seq, request in zip(batch, requests):  # a chooser prices its round's passes (before they run)
-            if seq.chooser is not None and request is seq.request:
-                seq.chooser.price(request)
-        # prefills are not measured (nor the pass that brings a prompt through the upper bands after a draft)
-        guarded = guarded and all(s.processed(len(s.exits) - 1) >= s.committed - 1 for s in batch)
+        self._price(batch, requests)
         logits = self.runner.advance(requests, self.cache)
         usage = self.cache.manager.usage()  # the step's high point: drafts written, nothing truncated yet
         self.peak_slots = max(self.peak_slots, usage["slots_held"])
@@ -153,16 +134,17 @@ class LLMEngine:
             if done:
                 self.scheduler.finish(seq)
         self.steps += 1
-        if guarded:
-            self.runner.guard.record(self.policy, size, time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs))
         return outputs
 
-    def _speculate(self, seq: Sequence, batch_size: int) -> bool:
-        """Whether ``seq`` may speculate at ``batch_size``: as the guard says, unless the guard is off, the
-        sequence's sample must follow its policy, or it is alone with its own chooser."""
-        if not self.guarded or not seq.sampler.path_free or (seq.chooser is not None and batch_size == 1):
-            return True
-        return self.runner.guard.speculate(self.policy, batch_size)
+    @staticmethod
+    def _price(batch: list[Sequence], requests: list[BandRequest]) -> None:
+        """Each chooser prices its round's request in this step (before it runs), at its share of the rows
+        the step's decoding sequences spend (a prefill's rows are nobody's choice)."""
+        decoding = [r for s, r in zip(batch, requests) if r is s.request and s.processed(0) >= s.committed - 1]
+        total = sum(max(request_rows(r)) for r in decoding)
+        for request in decoding:
+            if request.seq.chooser is not None:
+                request.seq.chooser.price(request, total)
 
     def _prefill_budget(self, batch: list[Sequence]) -> tuple[list[Sequence], list[BandRequest]]:
         """The sequences served this step and their requests, at most ``prefill_chunk`` prompt tokens

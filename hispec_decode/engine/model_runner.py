@@ -22,7 +22,6 @@ from ..cache.kv_cache import PagedKVCache
 from ..errors import HiSpecError
 from ..models.base import DecoderModel
 from ..models.exit_heads import ExitHead
-from .guard import SpeculationGuard
 from .own_tokens import OwnTokens, add_own_logits
 from .sequence import BandRequest, Sequence
 
@@ -46,7 +45,6 @@ class ModelRunner:
         self.keep_final = any(head.needs_context for head in self.heads.values())  # deep-context heads read them
         # feature_attention heads: their rows are computed when their logits are asked for (_feature_transform)
         self.feature_layers = {layer for layer, head in self.heads.items() if head.has_cache and head.needs_context}
-        self.guard = SpeculationGuard()  # speculation against plain decoding, measured on every engine's steps
         if use_exit_vocab:  # cut and pack the exit vocabularies' LM-head rows now, not in the first draft's time
             with torch.inference_mode():
                 probe = torch.zeros(1, 1, decoder.config.hidden_size, dtype=decoder.dtype, device=decoder.device)

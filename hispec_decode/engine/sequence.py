@@ -146,8 +146,7 @@ class Sequence:
         self.preemptions = 0
         self.idle = 0  # consecutive steps this sequence waited without being served
         self.batch_size = 1  # sequences running beside it (incl. itself) when it last received logits
-        self.speculate = True  # rounds may speculate (the engine's guard turns it off where speculation loses)
-        self.chooser: Any = None  # its RoundChooser (engine/chooser.py): each round's arm, at batch 1
+        self.chooser: Any = None  # its RoundChooser (engine/chooser.py): each round's arm
         self.drafter_state: dict[str, Any] = {}  # each drafter's own state for this sequence (Drafter.state)
         self.own_tokens: OwnTokens | None = None  # L_v's rows for its committed tokens outside it (own_tokens.py)
 

@@ -17,6 +17,7 @@ import torch
 
 from ..decoding.policy import Policy
 from ..decoding.sampling import Verdict
+from . import drafters
 from .drafters import propose
 from .sequence import BandRequest, Sequence
 
@@ -116,23 +117,22 @@ class Speculative(Strategy):
     def decode(self, seq: Sequence) -> DecodeLoop:
         top, chooser = len(seq.exits) - 1, seq.chooser
         while not seq.is_finished:
-            # at batch 1 the sequence's chooser picks this round's arm (engine/chooser.py); a round that
-            # prefills is not evidence of its arm
-            choosing = chooser is not None and seq.batch_size == 1
+            # the sequence's chooser picks this round's arm (engine/chooser.py); a round that prefills is not
+            # evidence of its arm
             prefilled = seq.processed(0) >= seq.committed - 1
-            seq.policy = chooser.choose(seq) if choosing else (seq.policy if chooser is None else chooser.policy)
+            if chooser is not None:
+                seq.policy = chooser.choose(seq)
             committed = seq.committed
             yield from self.round(seq, top)
-            if choosing and prefilled:
+            if chooser is not None and prefilled:
                 chooser.record(seq.committed - committed)
 
     def round(self, seq: Sequence, top: int) -> DecodeLoop:
         """One round under ``seq.policy``: a plain step where it cannot speculate, else drafts checked up to
         the full model, which commits."""
-        policy = seq.policy
-        draft_threshold, verify_threshold = policy.at_batch(seq.batch_size)
-        if not seq.speculate or (draft_threshold > 1 and (top == 1 or verify_threshold > 1)
-                                 and not policy.copies(seq.batch_size)):  # cannot pay here
+        draft_threshold, verify_threshold = seq.policy.at_batch(seq.batch_size)
+        if (top == 1 or verify_threshold > 1) and not any(d.active(seq) for d in drafters.registered()):
+            # nothing drafts and no middle level gathers tokens of its own: a plain step
             yield from step_autoregressive(seq, top)
             return
         start = len(seq.tokens)

@@ -101,7 +101,7 @@ VARIANTS = {
     "invariant": {},  # on the batch-invariant model (see ModelVariants)
     "gumbel": {"drafter_invariant": True},  # drafter-invariant sampling (with --sample)
     "chain": {"tree": "chain"},  # the tuned policy, drafting a single chain
-    "unguarded": {"guard": False},  # the policy as it is, never switched off by the run-time guard
+    "unguarded": {"guard": False},  # the policy as it is, every round (no per-sequence choice)
     "lookup": {"lookup": 8},  # prompt lookup (8 tokens a round) before the policy's own drafts
     "union": {"lookup": 8, "drafting": "union"},  # prompt lookup and the policy's own drafts as one tree (batch 1)
     "static": {"tree": "static", "tree_nodes": 5, "tree_width": 4, "num_draft": 2},  # a Medusa/EAGLE-1-style static tree
@@ -140,7 +140,7 @@ def method_variant(spec: str) -> dict[str, Any]:
     runs on the batch-invariant model, ``gumbel`` samples drafter-invariantly, ``chain`` drafts a
     single chain under the tuned policy, ``static`` draws a fixed tree of 5 nodes (width 4, depth 2),
     ``dynamic`` EAGLE-2's tree of 6 nodes (width 3, depth 2), on the tuned policy's exits and gates;
-    ``unguarded`` runs the policy without the run-time guard (engine/guard.py), ``lookup`` tries prompt
+    ``unguarded`` runs the policy every round, without the per-sequence choice (engine/chooser.py), ``lookup`` tries prompt
     lookup (8 tokens) before the policy's own drafts, ``union`` drafts both as one tree at batch 1."""
     method, _, variant = other_heads(spec)[0].partition(":")
     if method not in METHODS:

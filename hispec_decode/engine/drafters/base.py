@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generator
+from typing import Any, ClassVar, Generator, Iterable
 
 import torch
 
@@ -57,6 +57,8 @@ class Drafter(ABC):
     name: ClassVar[str]
     order: ClassVar[int]
     point_mass: ClassVar[bool] = False  # proposes without passes of its own (a union adds it to a tree)
+    off: ClassVar[dict[str, Any]]  # the policy knobs' values without this drafter (a round chooser's arms)
+    on: ClassVar[dict[str, Any]] = {}  # ... and values that turn it on where the policy leaves it off
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -67,6 +69,11 @@ class Drafter(ABC):
     @abstractmethod
     def active(self, seq: Sequence) -> bool:
         """Whether it drafts for ``seq`` this round (its policy's knob, the batch size)."""
+
+    def can_propose(self, seq: Sequence) -> bool:
+        """Whether it has something to propose for ``seq`` now, known without a pass (a point-mass drafter's
+        match; a drafter with passes of its own may always propose)."""
+        return True
 
     @abstractmethod
     def propose(self, seq: Sequence, threshold: float) -> DraftLoop:
@@ -96,3 +103,13 @@ class Drafter(ABC):
 def registered() -> tuple[Drafter, ...]:
     """Every drafter, in the order they are tried."""
     return tuple(_REGISTRY)
+
+
+def without(policy: Any, drafters: Iterable[Drafter]) -> dict[str, Any]:
+    """The knob values that turn ``drafters`` off in ``policy`` (to ``dataclasses.replace`` it with)."""
+    return {k: v for d in drafters for k, v in d.off.items()}
+
+
+def turned_on(policy: Any, drafters: Iterable[Drafter]) -> dict[str, Any]:
+    """The knob values that turn ``drafters`` on where ``policy`` leaves them off."""
+    return {k: v for d in drafters if all(getattr(policy, k) == v for k, v in d.off.items()) for k, v in d.on.items()}

@@ -11,12 +11,16 @@ from ..tree_draft import draft_tree
 from .base import Draft, Drafter, DraftLoop
 
 
+OFF = 1.5  # a draft threshold above 1: the draft exit never drafts
+
+
 class ExitDrafter(Drafter):
     name = "exit"
     order = 100  # after every drafter that needs no pass of its own
+    off = {"draft_threshold": OFF}
 
     def active(self, seq: Sequence) -> bool:
-        return True  # its gate (the draft threshold) decides per token
+        return seq.policy.at_batch(seq.batch_size)[0] <= 1  # then its gate decides per token
 
     def propose(self, seq: Sequence, threshold: float) -> DraftLoop:
         policy = seq.policy

@@ -12,35 +12,56 @@ copying stops at the first d with q^d below the floor."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ...decoding.lookup import lookup
+from ...decoding.lookup import MIN_NGRAM, lookup
 from ..sequence import Sequence
 from .base import Draft, Drafter, DraftLoop
 
+COPY_TOKENS = 8  # tokens a copy proposes at most where a round chooser turns lookup on (the policy leaves it off)
 PRIOR_ACCEPTED = 3  # pseudo-counts of a sequence's record of copies before its first copy is checked
 PRIOR_REJECTED = 1
 
 
 @dataclass
 class CopyRecord:
-    """A sequence's record of its copies."""
+    """A sequence's record of its copies, and the shortest n-grams looked up that it holds so far."""
 
     budget: int = 0  # drafts per round at most (0: the policy's)
     accepted: int = 0  # copied tokens accepted
     rejected: int = 0  # copies cut by a rejection
+    ngrams: set[tuple[int, ...]] = field(default_factory=set)  # tokens[i : i + MIN_NGRAM] for i < indexed
+    indexed: int = 0
 
 
 class PromptLookup(Drafter):
     name = "lookup"
     order = 10
     point_mass = True
+    off = {"lookup": 0}
+    on = {"lookup": COPY_TOKENS}
 
     def new_state(self) -> CopyRecord:
         return CopyRecord()
 
     def active(self, seq: Sequence) -> bool:
-        return seq.policy.copies(seq.batch_size)
+        """On while ``policy.lookup`` > 0 and a drafted row pays for itself at the batch size."""
+        return seq.policy.lookup > 0 and seq.policy.floor(seq.batch_size) <= 1
+
+    def can_propose(self, seq: Sequence) -> bool:
+        """Whether the last :data:`MIN_NGRAM` tokens occurred before (a copy exists; asked at a round's start,
+        where every token is committed): the sequence's n-grams are indexed as they come, so a round costs
+        O(its new tokens), not a scan of the sequence."""
+        tokens, record, n = seq.tokens, self.state(seq), MIN_NGRAM
+        if seq.room() <= 1:
+            return False
+        end = len(tokens) - n  # n-grams starting before it have a token after them, the suffix excluded
+        if end < record.indexed:  # the sequence got shorter than what was indexed: scan it
+            return bool(lookup(tokens, 1))
+        for i in range(record.indexed, end):
+            record.ngrams.add(tuple(tokens[i : i + n]))
+        record.indexed = end
+        return len(tokens) > n and tuple(tokens[-n:]) in record.ngrams
 
     def tokens(self, seq: Sequence, context: list[int], count: int) -> list[int]:
         budget = min(seq.policy.lookup, self.state(seq).budget or seq.policy.lookup, count, self.paying(seq))
