@@ -65,6 +65,7 @@ class HiSpecModel:
             heads = {int(k): h.to(decoder.dtype).eval().requires_grad_(False) for k, h in adapter.heads.items()}
         self.runner = ModelRunner(decoder, heads)
         self._machine: dict[str, Any] | None = None  # see machine_record
+        self.source: dict[str, Any] | None = None  # from_pretrained's arguments, where it loaded the model
 
     def machine_record(self) -> dict[str, Any]:
         """This machine's ``policies``, pass ``costs`` and arms' predicted speeds (``arms``) for this model:
@@ -93,7 +94,7 @@ class HiSpecModel:
         try:
             return CostModel.from_dict(costs) if costs else None
         except (KeyError, TypeError, ValueError) as exc:
-            logger.warning("hispec: the machine record's pass costs are unreadable (%s); the guard decides", exc)
+            logger.warning("hispec: the machine record's pass costs are unreadable (%s); each policy runs as it is", exc)
             return None
 
     @classmethod
@@ -144,7 +145,12 @@ class HiSpecModel:
                     f"{(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size)}, but base {loaded.name!r} has {shape}"
                 )
             cfg.check_base(compute_fingerprint(loaded.model), loaded.name)
-        return cls(loaded, decoder, adapter)
+        model = cls(loaded, decoder, adapter)
+        if base is None or isinstance(base, (str, os.PathLike)):  # how to load it again (a background derivation)
+            model.source = {"base": None if base is None else str(base), "heads": NO_HEADS if heads is None else str(heads),
+                            "dtype": str(dtype).removeprefix("torch."), "revision": revision,
+                            "pack_weights": pack_weights, "batch_invariant": batch_invariant}
+        return model
 
     @property
     def num_layers(self) -> int:

@@ -4,6 +4,7 @@ measured once and kept under $HISPEC_HOME; a policy tuned here wins over it."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -296,3 +297,32 @@ def test_the_grid_is_screened_then_its_fastest_replayed_on_every_trace(calibrate
     for c, tps in scored[:3]:
         assert tps == predict(c, traces[:everywhere], costs, n, eos)["tokens_per_second"]
     assert [tps for _, tps in scored[1:]] == sorted((tps for _, tps in scored[1:]), reverse=True)
+
+
+def test_the_first_decode_waits_for_costs_only_and_a_worker_derives_the_rest(calibrated, trainable_base, tmp_path,
+                                                                              monkeypatch):
+    """In the background (the default outside the tests): the first load measures the costs and replays the
+    shipped policy's arms (each sequence's priors), decodes with the shipped policy, and a worker process at
+    the lowest priority derives the record that later loads read."""
+    from hispec_decode.tuning import background
+
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
+    monkeypatch.setenv(background.ENV, "background")
+    heads, _ = calibrated
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    record = model.machine_record()
+    assert record["costs"]["layer_rows"] and not record["policies"] and record["arms"]["hispec"]["plain"] > 0
+    (path,) = (tmp_path / "machine").rglob("*.json")
+    assert json.loads(path.read_text())["source"] == "measured"
+    want = model.generate([PROMPTS[0]], max_new_tokens=6, method="autoregressive").sequences
+    assert model.generate([PROMPTS[0]], max_new_tokens=6).sequences == want  # the shipped policy, chosen per round
+    deadline = time.monotonic() + 300
+    while background.running(path) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    log = path.with_name(path.name + ".log").read_text()
+    stored = json.loads(path.read_text())
+    assert stored["source"] == "derived" and stored["policies"]["hispec"], log
+    assert not background.lock_path(path).exists()
+    again = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    chosen = stored["policies"]["hispec"]
+    assert again.policy(method="hispec").draft_layer == chosen["draft_layer"]

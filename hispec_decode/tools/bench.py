@@ -10,6 +10,7 @@ pass (layers ``0..L_d`` plus the draft exit), both for a single new token.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import logging
 import sys
@@ -244,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "heads' reduced vocabulary), eager or gather (batched verification schedule), paper (N_i=4, "
                         "k_d=2, no confidence gates), fixed (k=1, N_i=2, no gates), chain (the tuned policy drafting a "
                         "chain), static (a fixed tree of 5 nodes, width 4, depth 2), dynamic (EAGLE-2's tree of 6 "
-                        "nodes, width 3, depth 2) or unguarded (without the run-time guard); plain hispec/self_spec "
+                        "nodes, width 3, depth 2) or unguarded (the policy every round, no per-sequence choice); plain hispec/self_spec "
                         "use this machine's policy (derived from the adapter's calibration, or tuned here); a spec "
                         "ending in @b runs with the adapter of --heads-b (two adapters side by side)")
     p.add_argument("--heads-b", default=None, help="a second adapter, for the methods ending in @b")
@@ -300,6 +301,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
 def main(argv: list[str] | None = None) -> int:
     p, args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.environ.setdefault("HISPEC_DERIVE", "now")  # compare each method at its derived policy, with nothing beside it
     return run_cli("hispec-bench", lambda: _run(args, p.get_default("num_prompts")), args.debug)
 
 

@@ -34,6 +34,7 @@ from ..decoding.policy import DEFAULT_DRAFT_FRACTION, Policy
 from ..engine.chooser import arm_policies
 from ..files import write_text
 from ..models.loading import hispec_home
+from . import background
 from .calibration import calibration_id, load_calibration, record_calibration
 from .candidates import SPECULATION_OFF, Candidate, batch_thresholds, policy_dict, predict
 from .costs import CostModel, measure_costs
@@ -207,12 +208,19 @@ def derive(model: Any, traces: list[Trace], costs: CostModel,
     self_spec = read_by("self_spec", policy_dict(best_self))
     self_spec["batch_thresholds"] = batch_thresholds(costs, n, cap, best_self, traces)
     predicted = [{"config": c.label(), "tokens_per_second": round(tps, 2)} for c, tps in scored[:8]]
-    eos = model.decoder.default_eos_ids()
-    arms = {method: {arm: round(predict(Candidate(method, variant, n), traces, costs, n, eos)["tokens_per_second"], 2)
-                     for arm, variant in arm_policies(policy).items()}
-            for method, policy in (("hispec", best), ("self_spec", best_self))}
+    arms = arm_rates({"hispec": best, "self_spec": best_self}, traces, costs, n, model.decoder.default_eos_ids())
     return {"hispec": hispec, "self_spec": self_spec, "predicted": predicted,
             "predicted_autoregressive": round(plain, 2), "arms": arms}
+
+
+def arm_rates(policies: dict[str, Policy], traces: list[Trace], costs: CostModel, num_layers: int,
+              eos: frozenset[int]) -> dict[str, dict[str, float]]:
+    """Each method's arms (:func:`~hispec_decode.engine.chooser.arm_policies` of its policy) replayed on
+    ``traces``: predicted tokens per second, a sequence's prior."""
+    return {method: {arm: round(predict(Candidate(method, variant, num_layers), traces, costs, num_layers, eos)
+                                ["tokens_per_second"], 2)
+                     for arm, variant in arm_policies(policy).items()}
+            for method, policy in policies.items()}
 
 
 def request_overhead(model: Any, prompts: list[list[int]], max_new_tokens: int, costs: CostModel) -> float:
@@ -267,8 +275,9 @@ def machine_costs(model: Any, traces: list[Trace]) -> CostModel:
     if sizes:
         model.token_ranking()
     costs = measure_costs(model.runner, layers, reps=3, vocab_sizes=sizes)
-    add_vocab_rows(model.runner, traces[:TRACES], sizes)  # the traces the grid replays
     prompts = [t.tokens[: t.prompt_length] for t in traces[:OVERHEAD_PROMPTS]]
+    if not layers and sizes:  # the speculative overhead's policy: the vocabulary level drafting (replayed below)
+        add_vocab_rows(model.runner, traces[:OVERHEAD_PROMPTS], (min(sizes),))
     costs.request = request_overhead(model, prompts, OVERHEAD_TOKENS, costs)
     short = []  # the first tokens of each trace: what the speculative decode below makes
     for t in traces[:OVERHEAD_PROMPTS]:
@@ -298,6 +307,8 @@ def machine_record(model: Any) -> dict[str, Any] | None:
     elif adapter.calibration_path is None:
         return None
     try:
+        if adapter is not None and background.wanted(model):
+            return _prior(model, path)
         record = _derive_and_store(model, path)
         return {k: record.get(k) for k in ("policies", "costs", "arms")}
     except Exception as exc:  # noqa: BLE001 - a failed derivation must never stop a decode
@@ -305,6 +316,35 @@ def machine_record(model: Any) -> dict[str, Any] | None:
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", "adapter's shipped policy"
                        if adapter is not None else "default policy")
         return None
+
+
+def _prior(model: Any, path: Path) -> dict[str, Any]:
+    """The first decode's record while the grid is replayed in the background: this machine's costs
+    (measured now, or by an earlier load) and each arm's prior for the adapter's shipped policies, replayed
+    on its calibration traces; the policies stay the shipped ones until the worker has stored its own."""
+    traces = load_calibration(model.adapter.calibration_path)
+    about = _about(model, calibration_id(model.adapter.calibration_path))
+    costs = _measured(path, about)
+    if costs is None:
+        logger.info("hispec: measuring this machine's pass costs (once; kept in %s); the policy is derived in the "
+                    "background", path)
+        costs = machine_costs(model, traces)
+        store(path, {"source": "measured", **about, "costs": costs.to_dict()})
+    n = model.num_layers
+    shipped = {method: model.policy(method=method) for method in ("hispec", "self_spec")}  # no record yet: the adapter's
+    sizes = tuple({p.vocab for p in shipped.values() if p.vocab and -p.vocab in costs.exits})
+    if sizes:
+        model.token_ranking()
+        add_vocab_rows(model.runner, traces[:TRACES], sizes)
+    arms = arm_rates(shipped, traces[:TRACES], costs, n, model.decoder.default_eos_ids())
+    background.start(model, path)
+    return {"policies": {}, "costs": costs.to_dict(), "arms": arms}
+
+
+def _about(model: Any, calibration: str) -> dict[str, Any]:
+    """What a record was made for: a record made for anything else is made again."""
+    return {"derivation": DERIVATION, "machine": machine.describe(model.decoder.device),
+            "dtype": str(model.decoder.dtype), "calibration": calibration}
 
 
 def _derive_and_store(model: Any, path: Path) -> dict[str, Any]:
@@ -318,8 +358,7 @@ def _derive_and_store(model: Any, path: Path) -> dict[str, Any]:
         calibration = calibration_id(adapter.calibration_path)
         traces = load_calibration(adapter.calibration_path)
     t0 = time.perf_counter()
-    about = {"derivation": DERIVATION, "machine": machine.describe(model.decoder.device), "dtype": str(model.decoder.dtype),
-             "calibration": calibration}
+    about = _about(model, calibration)
     costs = _measured(path, about)
     if costs is None:
         logger.info("hispec: measuring this machine's pass costs for a decoding policy (once; kept in %s)", path)

@@ -97,11 +97,11 @@ def add_vocab_rows(runner: ModelRunner, traces: list[Trace], sizes: tuple[int, .
     tokens so far, as the engine's)."""
     decoder = runner.decoder
     for trace in traces:
-        sizes = tuple(size for size in sizes if vocab_key(size) not in trace.top)
-        if not sizes:
+        missing = tuple(size for size in sizes if vocab_key(size) not in trace.top)  # each trace its own
+        if not missing:
             continue
         x = final_states(runner, trace.tokens)
-        for size in sizes:
+        for size in missing:
             logits = decoder.vocab_logits(x, runner.level_vocab(size))[0]
             if runner.own_tokens:  # as the engine runs it: the sequence's own tokens too
                 add_own_prefix_logits(logits, x[0], trace.tokens, runner.level_mask(size), decoder.lm_head.weight,
