@@ -28,7 +28,7 @@ speculates only once a sequence's own rounds show it pays there. The chooser tak
 rate (on a tie, the policy alone and plain decoding in a batch); an arm out of favour is retried after
 :data:`RETRY_EVERY` rounds of its kind, twice as rarely after each retry that loses (at most
 :data:`MAX_RETRY_EVERY`), so exploring costs a bounded share of the rounds; plain decoding is never
-retried (its rate is the costs' own). Decisions read past verdicts and whether a copy exists now, never
+retried, nor priced (its rate is the costs' own). Decisions read past verdicts and whether a copy exists now, never
 the verifier's output for the tokens being decided: every arm is lossless, so the choice changes only
 speed. A new sequence starts from the prior: no request pays for another's text.
 """
@@ -160,11 +160,16 @@ class RoundChooser:
 
     def price(self, request: BandRequest, total_rows: int | None = None) -> None:
         """Add a request of the running round to its cost (before it is served); ``total_rows``: the rows of
-        every sequence in the step (see :func:`request_seconds`)."""
+        every sequence in the step (see :func:`request_seconds`). Plain rounds are not priced: their rate is the
+        costs' own, the prior's."""
+        if self.arm == "plain":
+            return
         self.seconds += request_seconds(self.costs, request, self.num_layers, request.seq.batch_size, total_rows)
 
     def record(self, tokens: int) -> None:
         """The round of :attr:`arm` ended with ``tokens`` committed."""
+        if self.arm == "plain":  # its evidence stays the costs' rate (it is never retried)
+            return
         e = self._evidence(self.arm)
         kinds = ARMS if self.key[0] else ("policy", "plain")
         leader = max(self._evidence(a).rate for a in kinds if a != self.arm)
