@@ -191,7 +191,7 @@ class HiSpecModel:
 
     def _engine(self, speculative: SpeculativeConfig, engine: EngineConfig, sampling: SamplingParams) -> LLMEngine:
         policy = self.policy(speculative)
-        if policy.vocab and self.num_layers in policy.exits(speculative.method, self.num_layers)[:-1]:
+        if any(level.vocab for level in policy.levels(speculative.method, self.num_layers)):
             self.token_ranking()
         runner = self.runner
         if not speculative.use_exit_vocab:

@@ -161,15 +161,15 @@ def test_a_round_is_priced_as_the_replay_prices_it(tiny_models):
     policy = Policy(draft_layer=2, verify_layer=LAYERS, window=1, num_draft=2)
     seq = Sequence(0, [1, 2, 3], BlockManager(64, 16), (2, LAYERS), policy=policy)
     seq.allocate()
-    prefill = request_seconds(costs, BandRequest(seq, 1, 1), LAYERS)
+    prefill = request_seconds(costs, BandRequest(seq, 1, 1))
     assert prefill == pytest.approx(costs.band(0, LAYERS, 3) + costs.exit(LAYERS, 1) + costs.request)
     for b in (0, 1):
         seq.blocks.reserve(0, 3)
         seq.blocks.set_length(0, b, 3)
     seq.tokens += [7, 8]
-    draft = request_seconds(costs, BandRequest(seq, 0, 1), LAYERS)
+    draft = request_seconds(costs, BandRequest(seq, 0, 1))
     assert draft == pytest.approx(costs.band(0, 2, 2) + costs.exit(2, 1) + costs.speculative_request)
-    check = request_seconds(costs, BandRequest(seq, 1, 3), LAYERS)  # both bands over the same 2 rows: one slice
+    check = request_seconds(costs, BandRequest(seq, 1, 3))  # both bands over the same 2 rows: one slice
     assert check == pytest.approx(costs.band(0, LAYERS, 2) + costs.exit(LAYERS, 3) + costs.speculative_request)
     c = RoundChooser(policy, costs, LAYERS)
     c.choose(seq)
@@ -212,10 +212,12 @@ def test_in_a_batch_each_sequence_follows_its_own_evidence(tmp_path, choosing, m
     model = _with_costs(accepting.load(), monkeypatch, flat_costs(LAYERS, (1, 3)))
     out = model.generate(prompts, max_new_tokens=60, method="hispec", draft_layer=1, verify_layer=3, num_draft=3)
     assert out.sequences == [accepting.hf_generate(p, 60) for p in prompts]
-    for seq in out.seqs:
-        picks = seq.chooser.picks
-        assert picks.get("policy", 0) >= picks.get("plain", 0), picks
-        assert {key[2] for key in seq.chooser.evidence} == {4}  # the batch's class, not batch 1's
+    for seq in out.seqs:  # in the batch of four, each sequence's own rounds rate its drafts above plain decoding
+        evidence = seq.chooser.evidence
+        measured = [kind for arm, kind, size in evidence if arm == "policy" and size == 4]
+        assert measured and all(evidence["policy", kind, 4].rate > evidence["plain", kind, 4].rate for kind in measured)
+    rounds = sum(out.stats["arms"].values())
+    assert rounds <= 0.5 * sum(len(s) for s in out.sequences), out.stats["arms"]  # 2+ tokens a round
 
     base = save_tiny("llama", tmp_path / "base")
     adapter = HiSpecAdapter.create(base.load().decoder, str(base.path), [ExitSpec(1, "draft", "residual_linear"),

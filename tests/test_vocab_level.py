@@ -42,7 +42,13 @@ def test_level_lists():
     # L_v drafts
     assert Policy(draft_layer=6, verify_layer=6, window=3, num_draft=2, vocab=16).exits("hispec", 6) == (6, 6)
     assert Policy(draft_layer=2, verify_layer=6, window=3, num_draft=2).exits("hispec", 6) == (2, 6)  # no middle level
-    assert p.window_at(4, 6) == 3 and p.window_at(6, 6) == 5
+    levels = p.levels("hispec", 6)
+    assert [level.kind for level in levels] == ["exit", "exit", "vocab", "full"]
+    assert [str(level) for level in levels] == ["L2", "L4", f"L_v({p.vocab})", "L_f"]
+    assert [level.key for level in levels] == [2, 4, -p.vocab, 6]  # the two levels at layer 6 keep apart
+    assert p.window_at(levels[1]) == 3 and p.window_at(levels[2]) == 5
+    drafting = Policy(draft_layer=6, verify_layer=6, window=3, num_draft=2, vocab=16)
+    assert [level.kind for level in drafting.levels("self_spec", 6)] == ["vocab", "full"]
 
 
 def test_vocab_level_needs_a_ranking_and_valid_layers(hispec_models):

@@ -17,11 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def vocab_key(size: int) -> int:
-    """Where cost tables (and tuning traces) keep the vocabulary level of ``size`` tokens, beside exit layers."""
-    return -size
-
-
 def interpolate(points: dict[int, float], x: float) -> float:
     keys = sorted(points)
     if x <= keys[0]:
@@ -41,7 +36,7 @@ class CostModel:
     layer_rows: dict[int, float]  # per-layer seconds, one sequence with that many rows
     call_seqs: dict[int, float]  # per-call seconds, that many sequences of one row
     layer_seqs: dict[int, float]  # per-layer seconds, that many sequences of one row
-    # exit layer (or -size: the vocabulary level over that many tokens) -> rows -> seconds
+    # a level's head (its Level.key: an exit's layer, the full model's, the vocabulary level's) -> rows -> seconds
     exits: dict[int, dict[int, float]] = field(default_factory=dict)
     request: float = 0.0  # per plain decoding request: what a real step adds (scheduling, sampling, bookkeeping)
     speculative_request: float = 0.0  # the same for a drafting, checking or verifying request (gates, verdicts)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import HiSpecError
 from ..knobs import KNOB, KNOBS, TUNABLE, check_knobs
+from .level import Level, levels_of
 
 if TYPE_CHECKING:
     from ..config import SpeculativeConfig
@@ -72,9 +73,13 @@ class PolicyRules:
             levels.append(n)
         return (*levels, n)
 
-    def window_at(self, layer: int, num_layers: int) -> int:
-        """Tentative tokens an intermediate level at ``layer`` gathers for the level above, at most."""
-        return self.vocab_window if layer >= num_layers else self.window
+    def levels(self, method: str, num_layers: int) -> tuple[Level, ...]:
+        """The levels of ``method`` under this policy, lowest first (their band tops are :meth:`exits`)."""
+        return levels_of(self.exits(method, num_layers), num_layers, self.vocab)
+
+    def window_at(self, level: Level) -> int:
+        """Tentative tokens an intermediate ``level`` gathers for the level above, at most."""
+        return self.vocab_window if level.vocab else self.window
 
     def at_batch(self, batch_size: int) -> tuple[float, float]:
         """Effective ``(draft_threshold, verify_threshold)`` in a batch of ``batch_size`` sequences

@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..decoding.cost_model import CostModel, vocab_key
+from ..decoding.cost_model import CostModel
 from ..decoding.policy import Policy
 from . import drafters
 from .drafters.exit import OFF
@@ -71,8 +71,7 @@ def size_class(batch_size: int) -> int:
     return min(1 << (max(batch_size, 1).bit_length() - 1), MAX_CLASS)
 
 
-def request_seconds(costs: CostModel, request: BandRequest, num_layers: int, seqs: int = 1,
-                    total_rows: int | None = None) -> float:
+def request_seconds(costs: CostModel, request: BandRequest, seqs: int = 1, total_rows: int | None = None) -> float:
     """What ``request`` costs under ``costs`` (before it is served): each band's layers over the rows that
     band has not run yet (bands over the same rows run as one slice, as the runner does), the exit head on
     top, and what a real request adds; ``seqs``: the sequences sharing the step, ``total_rows``: their rows
@@ -89,11 +88,9 @@ def request_seconds(costs: CostModel, request: BandRequest, num_layers: int, seq
         lo = seq.exits[band - 1] if band else 0
         seconds += costs.share(lo, seq.exits[last], rows[band], seqs, total_rows)
         band = last + 1
-    layer = seq.exits[top]
-    if layer == num_layers and top < len(seq.exits) - 1:  # the vocabulary level
-        layer = vocab_key(seq.policy.vocab)
-    if request.num_logits and layer in costs.exits:
-        seconds += costs.exit(layer, request.num_logits)
+    key = seq.levels[top].key  # the head the request's logits come from
+    if request.num_logits and key in costs.exits:
+        seconds += costs.exit(key, request.num_logits)
     return seconds + (costs.request if plain else costs.speculative_request)
 
 
@@ -164,7 +161,7 @@ class RoundChooser:
         costs' own, the prior's."""
         if self.arm == "plain":
             return
-        self.seconds += request_seconds(self.costs, request, self.num_layers, request.seq.batch_size, total_rows)
+        self.seconds += request_seconds(self.costs, request, request.seq.batch_size, total_rows)
 
     def record(self, tokens: int) -> None:
         """The round of :attr:`arm` ended with ``tokens`` committed."""

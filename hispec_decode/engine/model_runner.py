@@ -250,11 +250,8 @@ class ModelRunner:
     def _exit_of(self, request: BandRequest) -> tuple[int, int]:
         """The exit a request's logits come from: its layer, and the vocabulary level's size where its
         band tops out at the last layer below the full model's level (0: the exit's own head)."""
-        seq = request.seq
-        layer = seq.exits[request.top_band]
-        below_top = request.top_band < len(seq.exits) - 1
-        vocab = seq.policy.vocab if seq.policy is not None else 0
-        return layer, (vocab if below_top and layer == self.decoder.num_layers else 0)
+        level = request.seq.levels[request.top_band]
+        return level.layer, level.vocab
 
     def _add_own_tokens(self, logits: torch.Tensor, h: torch.Tensor, requests: list[BandRequest], size: int) -> None:
         """Each sequence's committed tokens outside the vocabulary level of ``size`` tokens: their logits

@@ -29,6 +29,7 @@ import torch
 from ..cache.block_manager import BlockManager
 from ..cache.kv_cache import PagedKVCache
 from ..decoding.policy import Policy
+from ..decoding.level import levels_of
 from ..decoding.sampling import TokenSampler, Verdict
 from ..decoding.tree import DraftTree
 from ..sampling_params import SamplingParams
@@ -127,6 +128,7 @@ class Sequence:
         self.kv = kv  # the K/V pools behind ``blocks`` (None: a stand-in that stores no K/V, e.g. tuning replays)
         self.tree: DraftTree | None = None  # a draft tree being drafted or checked (tokens[tree.base:])
         self.exits = exits  # band tops, increasing; the last one is the number of layers
+        self.levels = levels_of(exits, exits[-1], policy.vocab if policy is not None else 0)  # what judges at each
         # pending[j]: hidden state at exits[j] for positions [processed(j+1), processed(j)), [1, n, hidden]
         self.pending: list[torch.Tensor | None] = [None] * (len(exits) - 1)
         self.context = ContextStates()  # what deep-context heads read (kept from the last commit on)

@@ -162,7 +162,7 @@ def gather(seq: Sequence, level: int, draft_threshold: float, verify_threshold: 
     (``verify_threshold``) and up to its window. Returns the level's distribution of each tentative
     token (the proposal for the level above; None when greedy)."""
     start = len(seq.tokens)  # tokens[start:] are tentative: accepted here, not yet above
-    window = seq.policy.window_at(seq.exits[level], seq.exits[-1])
+    window = seq.policy.window_at(seq.levels[level])
     proposals: list[torch.Tensor] = []  # this level's distribution of each tentative token (sampling)
     confidence = 1.0  # this level's probability of the tentative tokens so far
     while True:

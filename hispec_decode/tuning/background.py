@@ -4,8 +4,8 @@ for it.
 The first ``hispec`` decode on a machine measures the pass costs (seconds: the timings must not share the
 CPU with anything) and replays only the adapter's shipped policy on its calibration traces, which gives
 each sequence's round chooser its priors (:func:`hispec_decode.tuning.derive.machine_record`). The grid of
-candidate policies, the longer part, is replayed by a worker started here (:func:`main`, in a process of
-its own): it loads the same model at the lowest CPU priority (``nice`` 19: it runs on what decoding leaves
+candidate policies, the longer part, is replayed by a worker started here
+(:mod:`hispec_decode.tools.derive_worker`, in a process of its own): it loads the same model at the lowest CPU priority (``nice`` 19: it runs on what decoding leaves
 idle), derives from the stored costs and stores the record, which later loads use. While it runs, a
 ``<record>.deriving`` file holds its process id (a load finding a live one starts no second worker); its
 log is ``<record>.log``.
@@ -23,9 +23,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 ENV = "HISPEC_DERIVE"  # "now": derive in the foreground; anything else (default): in the background
+WORKER = "hispec_decode.tools.derive_worker"  # the worker's module (above the model's API, which it loads)
 
 
 def wanted(model: Any) -> bool:
@@ -53,31 +56,13 @@ def start(model: Any, record: Path) -> None:
     if running(record):
         return
     log = open(record.with_name(record.name + ".log"), "ab")  # noqa: SIM115 - the worker owns it
-    env = dict(os.environ, **{ENV: "now"})  # the same threads as here: the record is this machine key's
-    worker = subprocess.Popen([sys.executable, "-c", f"import sys; from {__name__} import main; sys.exit(main())",
-                               json.dumps(model.source), str(record)],
+    env = dict(os.environ, **{ENV: "now"})
+    source = {**model.source, "threads": torch.get_num_threads()}  # the machine key's threads: the same record
+    worker = subprocess.Popen([sys.executable, "-c", f"import sys; from {WORKER} import main; sys.exit(main())",
+                               json.dumps(source), str(record)],
                               stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True,
                               preexec_fn=lambda: os.nice(19))
     log.close()
     lock_path(record).write_text(f"{worker.pid}\n")
     logger.info("hispec: deriving this machine's decoding policy in the background (process %d, log %s.log); "
                 "until it is done, the adapter's shipped policy runs", worker.pid, record)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The worker: load the model as the first decode did and derive its record."""
-    from ..api import HiSpecModel
-    from .derive import machine_record
-
-    source, record = json.loads((argv or sys.argv[1:])[0]), Path((argv or sys.argv[1:])[1])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    try:
-        model = HiSpecModel.from_pretrained(**source)
-        ok = machine_record(model) is not None
-    finally:
-        lock_path(record).unlink(missing_ok=True)
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -35,8 +35,7 @@ class Candidate:
         p, n = self.policy, self.num_layers
         if self.method == "autoregressive":
             return self.method
-        exits = p.exits(self.method, n)
-        levels = [f"L_v({p.vocab})" if e >= n else f"L{e}" for e in exits[:-1]] + ["L_f"]
+        levels = [str(level) for level in p.levels(self.method, n)]
         knobs = [f"{k.symbol}={_value(getattr(p, k.name))}" for k in KNOBS if k.shown(self.method, p, n)]
         return f"{self.method} {' -> '.join(levels)}: {' '.join(knobs)}"
 
@@ -66,7 +65,7 @@ def batch_thresholds(costs: CostModel, num_layers: int, cap: float, policy: Poli
     are the base's token); speculation stops where no t gains. Without them (or for a draft exit they
     do not record), a token pays at acceptance m + d."""
     layer = policy.draft_layer
-    head = -policy.vocab if layer >= num_layers and policy.vocab else layer  # L_v drafting: its small head
+    head = policy.levels("self_spec", num_layers)[0].key  # the draft level's head (L_v drafting: its small one)
     drafts = _drafts(traces, layer) if traces else None
     out, floor = {"1": 0.0}, 0.0
     for b in SEQS[1:]:

@@ -10,6 +10,7 @@ import torch
 
 from ..cache.block_manager import DEFAULT_BLOCK_SIZE
 from ..decoding.cost_model import CostModel, interpolate
+from ..decoding.level import vocab_key
 from ..engine.model_runner import ModelRunner
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # rows of one sequence (a speculative pass)
@@ -31,7 +32,7 @@ def _median_seconds(fn, reps: int) -> float:
 def measure_costs(runner: ModelRunner, exit_layers: list[int], reps: int = 7, vocab_sizes: tuple[int, ...] = ()
                   ) -> CostModel:
     """Time band passes of 1 and all layers over the row and sequence grids, each exit head, and the
-    vocabulary level's head for each of ``vocab_sizes`` (under the key ``-size``)."""
+    vocabulary level's head for each of ``vocab_sizes`` (under its :attr:`Level.key`)."""
     decoder = runner.decoder
     n = decoder.num_layers
     size = DEFAULT_BLOCK_SIZE
@@ -77,9 +78,9 @@ def measure_costs(runner: ModelRunner, exit_layers: list[int], reps: int = 7, vo
             exits[layer][r] = seconds
     for size in vocab_sizes:
         vocab = runner.level_vocab(size)
-        exits[-size] = {}
+        exits[vocab_key(size)] = {}
         for r in sorted(set(ROWS) | set(SEQS)):
             h = torch.randn(1, r, decoder.config.hidden_size, generator=g).to(decoder.dtype)
-            exits[-size][r] = _median_seconds(
+            exits[vocab_key(size)][r] = _median_seconds(
                 lambda: decoder.vocab_logits(decoder.exit_norm(h), vocab).float().softmax(-1).max(-1), reps)
     return CostModel(call_rows, layer_rows, call_seqs, layer_seqs, exits)

@@ -30,6 +30,7 @@ from .. import machine
 from ..adapter.fingerprint import base_id
 from ..adapter.vocabulary import calibration_prompts, fit_context
 from ..knobs import KNOBS, read_by
+from ..decoding.level import vocab_key, vocab_of
 from ..decoding.policy import DEFAULT_DRAFT_FRACTION, Policy
 from ..engine.chooser import arm_policies
 from ..files import write_text
@@ -152,9 +153,9 @@ def ranked(model: Any, traces: list[Trace], costs: CostModel) -> list[tuple[Cand
     fastest without speculation and the fastest that ``self_spec`` runs are replayed on all; the best one,
     refined (:func:`refine`) on the screening traces, leads where all the traces predict it faster."""
     n, eos = model.num_layers, model.decoder.default_eos_ids()
-    layers = sorted(layer for layer in traces[0].top if layer > 0)
+    layers = sorted(layer for layer in traces[0].top if not vocab_of(layer) and layer > 0)
     traces = traces[:TRACES]
-    sizes = tuple(-key for key in costs.exits if int(key) < 0)
+    sizes = tuple(vocab_of(key) for key in costs.exits if vocab_of(key))
     if sizes:
         add_vocab_rows(model.runner, traces, sizes)
 
@@ -169,7 +170,7 @@ def ranked(model: Any, traces: list[Trace], costs: CostModel) -> list[tuple[Cand
     kept += [c for c, _ in first if c not in kept and _is_self_spec(c, n)][:SCREEN_KEEP // 4]
     scored = screened(kept, traces)
     def priced(c: Candidate) -> bool:  # every exit it drafts or checks at was timed
-        return all(layer in costs.exits for layer in c.policy.exits(c.method, n) if layer < n)
+        return all(level.key in costs.exits for level in c.policy.levels(c.method, n) if level.kind == "exit")
 
     # the local search on the screening traces; its result is kept where all the traces agree it is faster
     screen = traces[:SCREEN_TRACES]
@@ -197,7 +198,7 @@ def derive(model: Any, traces: list[Trace], costs: CostModel,
     """The fastest predicted ``hispec`` and ``self_spec`` policies under ``costs`` (no middle level
     for ``self_spec``), with what chose them (``scored``: :func:`ranked`, if already computed)."""
     n = model.num_layers
-    layers = sorted(layer for layer in traces[0].top if layer > 0)
+    layers = sorted(layer for layer in traces[0].top if not vocab_of(layer) and layer > 0)
     scored = scored if scored is not None else ranked(model, traces, costs)
     traces = traces[:TRACES]
     plain = next(tps for c, tps in scored if _is_plain(c.policy))  # no speculation, prefills included as in every replay
@@ -270,7 +271,7 @@ def vocab_sizes(model: Any) -> tuple[int, ...]:
 
 def machine_costs(model: Any, traces: list[Trace]) -> CostModel:
     """This machine's pass costs for ``model`` (seconds of measuring), with what a real request adds."""
-    layers = sorted(layer for layer in traces[0].top if layer > 0)
+    layers = sorted(layer for layer in traces[0].top if not vocab_of(layer) and layer > 0)
     sizes = vocab_sizes(model)
     if sizes:
         model.token_ranking()
@@ -332,7 +333,7 @@ def _prior(model: Any, path: Path) -> dict[str, Any]:
         store(path, {"source": "measured", **about, "costs": costs.to_dict()})
     n = model.num_layers
     shipped = {method: model.policy(method=method) for method in ("hispec", "self_spec")}  # no record yet: the adapter's
-    sizes = tuple({p.vocab for p in shipped.values() if p.vocab and -p.vocab in costs.exits})
+    sizes = tuple({p.vocab for p in shipped.values() if p.vocab and vocab_key(p.vocab) in costs.exits})
     if sizes:
         model.token_ranking()
         add_vocab_rows(model.runner, traces[:TRACES], sizes)
@@ -366,7 +367,7 @@ def _derive_and_store(model: Any, path: Path) -> dict[str, Any]:
         store(path, {"source": "measured", **about, "costs": costs.to_dict()})
     else:
         logger.info("hispec: deriving a decoding policy from the pass costs measured before (%s)", path)
-        if any(int(key) < 0 for key in costs.exits):
+        if any(vocab_of(key) for key in costs.exits):
             model.token_ranking()
     derived = derive(model, traces, costs)
     policies = {"hispec": derived.pop("hispec"), "self_spec": derived.pop("self_spec")}

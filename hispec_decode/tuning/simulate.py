@@ -29,7 +29,8 @@ from ..engine.model_runner import ModelRunner
 from ..engine.own_tokens import add_own_prefix_logits
 from ..engine.sequence import BandRequest, Counters, Sequence
 from ..engine.strategies import STRATEGIES, run_alone
-from ..decoding.cost_model import CostModel, vocab_key
+from ..decoding.cost_model import CostModel
+from ..decoding.level import vocab_key
 from ..engine.chooser import request_seconds
 
 TOP_K = 4  # candidates kept per exit and position: static trees up to this wide replay exactly
@@ -167,19 +168,18 @@ class _Runner:
         rows = [len(seq.tokens) - seq.processed(b) for b in range(request.top_band + 1)]
         self.speculative_requests += not (request.top_band == len(seq.exits) - 1 and request.num_logits == 1
                                           and len(set(rows)) == 1)
-        self.seconds += request_seconds(self.costs, request, self.num_layers)
+        self.seconds += request_seconds(self.costs, request)
         for b in range(request.top_band + 1):
             manager.set_length(seq.seq_id, b, len(seq.tokens))
-        layer = seq.exits[request.top_band]
-        if layer == self.num_layers and request.top_band < len(seq.exits) - 1:  # the vocabulary level
-            layer = vocab_key(seq.policy.vocab)
+        level = seq.levels[request.top_band]
+        layer = level.key  # its rows in the trace
         out = np.empty((request.num_logits, 2 * TOP_K))
         tokens = self.trace.tokens
         for j, slot in enumerate(range(len(seq.tokens) - request.num_logits, len(seq.tokens))):
             p, on_path = self._position(seq, slot)
-            if p >= len(tokens) or (not on_path and layer == self.num_layers):  # nothing to say
+            if p >= len(tokens) or (not on_path and level.full):  # nothing to say
                 out[j] = _NOTHING
-            elif layer == self.num_layers:  # the full model: the trace's own next token
+            elif level.full:  # the full model: the trace's own next token
                 out[j] = _NOTHING
                 out[j, 0], out[j, TOP_K] = (tokens[p + 1] if p + 1 < len(tokens) else -1), 1.0
             else:
