@@ -14,7 +14,8 @@ from ..decoding.level import vocab_key
 from ..engine.model_runner import ModelRunner
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # rows of one sequence (a speculative pass)
-SEQS = (1, 2, 4, 8, 16, 32)  # sequences of one row each (a batched decoding step)
+SEQS = (1, 2, 4, 8, 16)  # sequences of one row each (a batched decoding step; larger batches extrapolate)
+HEAD_ROWS = (1, 2, 4, 8, 16)  # rows an exit head is timed at (interpolated in between)
 CONTEXT = 256  # tokens already in the cache when a pass is timed
 
 
@@ -68,7 +69,7 @@ def measure_costs(runner: ModelRunner, exit_layers: list[int], reps: int = 7, vo
     exits: dict[int, dict[int, float]] = {}
     for layer in sorted(set(exit_layers) | {n}):
         exits[layer] = {}
-        for r in sorted(set(ROWS) | set(SEQS)):
+        for r in HEAD_ROWS:
             h = torch.randn(1, r, decoder.config.hidden_size, generator=g).to(decoder.dtype)
             # an early exit's logits are turned into its confidence (a softmax) by every gate
             seconds = _median_seconds(lambda: runner.exit_logits(layer, h).float().softmax(-1).max(-1), reps) \
@@ -79,7 +80,7 @@ def measure_costs(runner: ModelRunner, exit_layers: list[int], reps: int = 7, vo
     for size in vocab_sizes:
         vocab = runner.level_vocab(size)
         exits[vocab_key(size)] = {}
-        for r in sorted(set(ROWS) | set(SEQS)):
+        for r in HEAD_ROWS:
             h = torch.randn(1, r, decoder.config.hidden_size, generator=g).to(decoder.dtype)
             exits[vocab_key(size)][r] = _median_seconds(
                 lambda: decoder.vocab_logits(decoder.exit_norm(h), vocab).float().softmax(-1).max(-1), reps)
