@@ -59,9 +59,9 @@ def arm_policies(policy: Policy) -> dict[str, Policy]:
     copying = [d for d in drafters.registered() if d.point_mass]
     return {
         "policy": policy,
-        "plain": dataclasses.replace(policy, verify_threshold=OFF, **drafters.without(policy, drafters.registered())),
-        "exit": dataclasses.replace(policy, **drafters.without(policy, copying)),
-        "copy": dataclasses.replace(policy, drafting="first", **drafters.without(policy, passes),
+        "plain": dataclasses.replace(policy, verify_threshold=OFF, **drafters.without(drafters.registered())),
+        "exit": dataclasses.replace(policy, **drafters.without(copying)),
+        "copy": dataclasses.replace(policy, drafting="first", **drafters.without(passes),
                                     **drafters.turned_on(policy, copying)),
     }
 

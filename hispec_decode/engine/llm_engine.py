@@ -141,6 +141,8 @@ class LLMEngine:
         """Each chooser prices its round's request in this step (before it runs), at its share of the rows
         the step's decoding sequences spend (a prefill's rows are nobody's choice)."""
         decoding = [r for s, r in zip(batch, requests) if r is s.request and s.processed(0) >= s.committed - 1]
+        if not any(r.seq.chooser is not None for r in decoding):
+            return
         total = sum(max(request_rows(r)) for r in decoding)
         for request in decoding:
             if request.seq.chooser is not None:

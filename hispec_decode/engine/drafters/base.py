@@ -105,8 +105,8 @@ def registered() -> tuple[Drafter, ...]:
     return tuple(_REGISTRY)
 
 
-def without(policy: Any, drafters: Iterable[Drafter]) -> dict[str, Any]:
-    """The knob values that turn ``drafters`` off in ``policy`` (to ``dataclasses.replace`` it with)."""
+def without(drafters: Iterable[Drafter]) -> dict[str, Any]:
+    """The knob values that turn ``drafters`` off (to ``dataclasses.replace`` a policy with)."""
     return {k: v for d in drafters for k, v in d.off.items()}
 
 
