@@ -86,7 +86,10 @@ class HiSpecModel:
         policies = self.machine_record().get("policies") or {}
         if self.adapter is None:
             return policies.get(method)
-        return policies.get(method) or self.adapter.config.tuned_policy(method, self.decoder.dtype)
+        tuned = self.adapter.config.tuned_policy
+        # native weights start from the bf16 choice until this machine derives its own
+        return policies.get(method) or tuned(method, self.decoder.precision) or (
+            tuned(method, "bfloat16") if self.decoder.native else None)
 
     def machine_costs(self) -> CostModel | None:
         """This machine's pass costs for this model, where a record holds them (see :meth:`machine_record`)."""
@@ -102,7 +105,7 @@ class HiSpecModel:
         cls,
         base: str | os.PathLike | None = None,
         heads: str | os.PathLike | None = None,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         revision: str | None = None,
         pack_weights: bool = True,
         batch_invariant: bool | None = None,
@@ -112,6 +115,10 @@ class HiSpecModel:
         directory or a Hub repo id; ``revision`` applies to the heads). With ``heads=None`` a packaged
         base gets the trained default heads shipped with HiSpec for it (:func:`default_heads_for`);
         ``heads="none"`` forces the untrained exits (the base's norm + LM head).
+
+        ``dtype``: ``"auto"`` decodes a GGUF base (every packaged base, a ``.gguf`` path) on the file's
+        own 4- to 8-bit blocks (``"native"``, bf16 activations; docs/native.md) and any other base in
+        float32; ``"bfloat16"`` / ``"float32"`` de-quantize a GGUF base instead.
 
         ``pack_weights``: on CPU, keep packed copies of the linear weights for the fast kernels
         (about 2x faster decoding for a second copy of those weights in memory).

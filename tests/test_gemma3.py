@@ -17,7 +17,7 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def gemma():
-    model = HiSpecModel.from_pretrained("gemma3-270m", heads="none")
+    model = HiSpecModel.from_pretrained("gemma3-270m", heads="none", dtype="float32")
     assert model.base_model.config.model_type == "gemma3_text"
     return model
 
@@ -44,7 +44,7 @@ def test_greedy_equals_transformers_generate(gemma):
 
 @pytest.mark.skipif(default_heads_for("gemma3-270m") is None, reason="no Gemma-3-270M heads shipped yet")
 def test_shipped_heads_are_lossless_and_accept():
-    model = HiSpecModel.from_pretrained("gemma3-270m")
+    model = HiSpecModel.from_pretrained("gemma3-270m", dtype="float32")
     assert model.adapter is not None
     rows = prompts(model)[:2]
     plain = model.generate(rows, max_new_tokens=32, method="autoregressive").sequences

@@ -33,7 +33,7 @@ def test_qwen_coder_1_5b_is_a_packaged_base():
 def test_greedy_equals_transformers_generate():
     from hispec_decode import HiSpecModel
 
-    model = HiSpecModel.from_pretrained(ALIAS, heads="none")
+    model = HiSpecModel.from_pretrained(ALIAS, heads="none", dtype="float32")
     config = model.base_model.config
     assert (config.model_type, model.num_layers, config.hidden_size, config.intermediate_size) == ("qwen2", 28, 1536,
                                                                                                    8960)

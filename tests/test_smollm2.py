@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def smollm2():
     default_base_dir()  # converts the GGUF once (cached under $HISPEC_HOME)
-    return HiSpecModel.from_pretrained()
+    return HiSpecModel.from_pretrained(dtype="float32")
 
 
 def test_default_model_shape_and_tokenizer(smollm2):

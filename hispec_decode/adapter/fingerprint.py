@@ -16,17 +16,38 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..layers.quant import BlockEmbedding, BlockLinear
+
 SAMPLES_PER_TENSOR = 16
 RELATIVE_TOLERANCE = 1e-2
 SHAPE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
 
 
-def _first_matrix(module: nn.Module) -> torch.Tensor:
-    return next(p for p in module.parameters() if p.dim() == 2)
+def _first_matrix(module: nn.Module) -> torch.Tensor | nn.Module:
+    """The first weight matrix of ``module``'s submodules, in their order (a GGUF block linear as the module)."""
+    for m in module.modules():
+        if isinstance(m, (BlockLinear, BlockEmbedding)):
+            return m
+        own = next((p for p in m.parameters(recurse=False) if p.dim() == 2), None)
+        if own is not None:
+            return own
+    raise ValueError(f"{type(module).__name__} holds no weight matrix")
 
 
-def sample_values(t: torch.Tensor) -> list[float]:
-    """SAMPLES_PER_TENSOR values of ``t`` at fixed, evenly spaced flat indices (a signature's part)."""
+def _weight(module: nn.Module) -> torch.Tensor | nn.Module:
+    return module if isinstance(module, (BlockLinear, BlockEmbedding)) else module.weight
+
+
+def sample_values(t: torch.Tensor | nn.Module) -> list[float]:
+    """SAMPLES_PER_TENSOR values of ``t`` at fixed, evenly spaced flat indices (a signature's part);
+    of a GGUF block weight, only the rows that hold them are de-quantized."""
+    if isinstance(t, BlockEmbedding):
+        t = t.table
+    if isinstance(t, BlockLinear):
+        n, cols = t.out_features * t.in_features, t.in_features
+        idx = torch.tensor([i * (n - 1) // (SAMPLES_PER_TENSOR - 1) for i in range(SAMPLES_PER_TENSOR)])
+        rows = t.rows(idx // cols).float()
+        return [float(rows[i, c]) for i, c in enumerate((idx % cols).tolist())]
     flat = t.detach().reshape(-1)
     n = flat.numel()
     idx = torch.tensor([i * (n - 1) // (SAMPLES_PER_TENSOR - 1) for i in range(SAMPLES_PER_TENSOR)])
@@ -38,11 +59,11 @@ def compute_fingerprint(model: nn.Module) -> dict[str, Any]:
     cfg = model.config
     layers = next(m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == cfg.num_hidden_layers)
     tensors = [
-        model.get_input_embeddings().weight,
+        _weight(model.get_input_embeddings()),
         _first_matrix(layers[0]),
         _first_matrix(layers[len(layers) // 2]),
         _first_matrix(layers[-1]),
-        model.get_output_embeddings().weight,
+        _weight(model.get_output_embeddings()),
     ]
     fp: dict[str, Any] = {k: getattr(cfg, k) for k in SHAPE_KEYS}
     fp["signature"] = [x for t in tensors for x in sample_values(t)]

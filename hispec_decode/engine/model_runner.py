@@ -174,7 +174,7 @@ class ModelRunner:
             end = len(st.tokens)
             todo.append(list(range(min(st.context.feature_start(layer), end - n), end)))
         out: list[dict[int, torch.Tensor]] = [{} for _ in seqs]
-        zero = self.decoder.lm_head.weight.new_zeros(head.context_size)
+        zero = torch.zeros(head.context_size, dtype=self.decoder.dtype, device=self.decoder.device)
         while any(todo):
             wave = []  # (k, [(slot, context, exact)]): each sequence's rows of this wave
             for k, (st, slots) in enumerate(zip(seqs, todo)):
@@ -262,7 +262,7 @@ class ModelRunner:
             seq, own = r.seq, r.seq.own_tokens
             if own is None or own.size != size or own.scanned > seq.committed:
                 own = seq.own_tokens = OwnTokens(size=size)
-            own.update(seq.tokens, seq.committed, inside, head.weight, head.bias)
+            own.update(seq.tokens, seq.committed, inside, head)
             add_own_logits(logits[offset : offset + r.num_logits], h[offset : offset + r.num_logits], own)
             offset += r.num_logits
 

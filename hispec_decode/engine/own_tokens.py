@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from ..layers.quant import weight_rows
 
 
 @dataclass
@@ -36,10 +39,9 @@ class OwnTokens:
     rows: torch.Tensor | None = None  # [m, hidden] their LM-head rows
     bias: torch.Tensor | None = None  # [m] the LM head's bias, where it has one
 
-    def update(self, tokens: list[int], committed: int, inside: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None) -> None:
+    def update(self, tokens: list[int], committed: int, inside: torch.Tensor, head: nn.Module) -> None:
         """Take in ``tokens[scanned:committed]``: those outside the level (``inside``: [vocab] bool, the
-        level's tokens) and not yet kept get their rows of ``weight`` [vocab, hidden] (and ``bias``)."""
+        level's tokens) and not yet kept get their rows of the LM head ``head`` (weight and bias)."""
         if committed <= self.scanned:
             return
         chunk = tokens[self.scanned : committed]
@@ -49,10 +51,11 @@ class OwnTokens:
         new = list(dict.fromkeys(new))
         if not new:
             return
-        index = torch.tensor(new, device=weight.device)
+        index = torch.tensor(new, device=inside.device)
         self.ids += new
         self.index = index if self.index is None else torch.cat([self.index, index])
-        rows = weight.index_select(0, index)
+        rows = weight_rows(head, index)
+        bias = head.bias
         self.rows = rows if self.rows is None else torch.cat([self.rows, rows])
         if bias is not None:
             b = bias.index_select(0, index)
@@ -71,11 +74,11 @@ def add_own_logits(logits: torch.Tensor, h: torch.Tensor, own: OwnTokens) -> Non
 
 
 def add_own_prefix_logits(logits: torch.Tensor, h: torch.Tensor, tokens: list[int], inside: torch.Tensor,
-                          weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+                          head: nn.Module) -> None:
     """:func:`add_own_logits` along a whole sequence (a calibration trace): row ``t`` of ``logits`` and ``h``
     [T, ...] predicts the token after ``tokens[:t + 1]`` and names the own tokens among those only."""
     own = OwnTokens(size=0)
-    own.update(tokens, len(tokens), inside, weight, bias)
+    own.update(tokens, len(tokens), inside, head)
     if own.index is None:
         return
     first: dict[int, int] = {}

@@ -33,7 +33,7 @@ from . import native
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_attention.cpp", "elementwise.cpp", "stack.cpp")
+SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_q.cpp", "paged_attention.cpp", "elementwise.cpp", "stack.cpp")
 ENV_SWITCH = "HISPEC_KERNELS"  # "0" turns the kernels off
 ENV_DIR = "HISPEC_KERNELS_DIR"
 

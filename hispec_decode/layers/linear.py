@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from . import quant
 
 _NO_BIAS = torch.empty(0)
 
@@ -109,6 +110,16 @@ class FusedLinear:
     def __init__(self, linears: list[nn.Linear], pack: bool = True, rows: int | None = None) -> None:
         self.rows = rows
         self.sizes = [lin.out_features for lin in linears]
+        self.out_features = sum(self.sizes)
+        self.vnni: torch.Tensor | None = None
+        self.amx = False
+        self.blocks: list[quant.BlockWeight] | None = None  # GGUF block weights (layers.quant), one per format
+        if any(isinstance(lin, quant.BlockLinear) for lin in linears):
+            if not all(isinstance(lin, quant.BlockLinear) for lin in linears):
+                raise ValueError("a fused linear mixes GGUF block weights and dense ones")
+            self.blocks = quant.fuse(linears)
+            self.packed, self.weight, self.bias = False, None, None
+            return
         weights = [lin.weight.detach() for lin in linears]
         has_bias = any(lin.bias is not None for lin in linears)
         biases = [lin.bias.detach() if lin.bias is not None else w.new_zeros(w.shape[0]) for lin, w in zip(linears, weights)]
@@ -140,10 +151,14 @@ class FusedLinear:
 
     @property
     def row_independent(self) -> bool:
-        """Whether every call computes each row alone (the VNNI kernel): batch-invariant for free."""
-        return self.vnni is not None
+        """Whether every call computes each row alone (the VNNI or the block kernel): batch-invariant for free."""
+        return self.vnni is not None or (self.blocks is not None and quant.has_kernel())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            if self.rows is not None and not quant.has_kernel():
+                return in_row_chunks(lambda v: quant.fused_call(v, self.blocks), x, rows=self.rows)
+            return quant.fused_call(x, self.blocks)
         if self.vnni is not None:
             return vnni_linear(x, self.vnni, self.vnni_bias, self.out_features, amx=self.amx)
         if self.rows is not None:

@@ -29,6 +29,7 @@ from ..cache.kv_cache import PagedKVCache
 from ..errors import HiSpecError
 from ..layers.attention import PAGED_MAX_NEW, AttentionMeta, TreeRows, attend, attend_invariant, build_meta
 from ..layers.linear import FusedLinear, in_row_chunks
+from ..layers.quant import BlockLinear, has_kernel as has_block_kernel
 
 
 INVARIANT_ROWS = 8  # rows per GEMM call in the batch-invariant mode (docs/batch-invariance.md)
@@ -52,7 +53,14 @@ class LayerKernels:
 
 
 def stack_linear(k: Any, linear: FusedLinear) -> Any | None:
-    """A packed linear for the compiled layer stack: its VNNI weight, or oneDNN's without row chunks."""
+    """A packed linear for the compiled layer stack: its VNNI weight, its GGUF blocks (where the block
+    kernel is built), or oneDNN's without row chunks."""
+    if linear.blocks is not None:
+        if not k.linear_q_available():
+            return None
+        return k.StackLinear.blocks([p.blocks for p in linear.blocks], [p.ggml_type for p in linear.blocks],
+                                    [p.bias if p.bias is not None else torch.empty(0) for p in linear.blocks],
+                                    linear.out_features)
     if linear.vnni is not None:
         return k.StackLinear(linear.vnni, linear.vnni_bias, None, None, linear.out_features, linear.amx)
     if linear.packed and linear.rows is None:
@@ -108,6 +116,8 @@ class DecoderModel(ABC):
         CPU whose linears all run on the compiled VNNI kernel (AMX, AVX-512 BF16 or AVX2), which is
         row-independent as it stands, so the mode only changes how attention is computed (every row on
         the paged kernel; docs/batch-invariance.md)."""
+        if self.native:
+            return self.device.type == "cpu" and has_block_kernel()
         return (self.dtype == torch.bfloat16 and self.device.type == "cpu" and self.pack
                 and kernels.has_linear_bf16())
 
@@ -163,11 +173,23 @@ class DecoderModel(ABC):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The dtype of activations (a GGUF block LM head serves the model's)."""
+        return getattr(self.lm_head, "compute_dtype", None) or self.lm_head.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.lm_head.device if isinstance(self.lm_head, BlockLinear) else self.lm_head.weight.device
+
+    @property
+    def native(self) -> bool:
+        """The base decodes on GGUF block weights (layers.quant)."""
+        return isinstance(self.lm_head, BlockLinear)
+
+    @property
+    def precision(self) -> str:
+        """What the weights are decoded in: ``native`` (GGUF blocks) or the dtype's name; tuned policies
+        and this machine's costs are kept per precision."""
+        return "native" if self.native else str(self.dtype).removeprefix("torch.")
 
     # -- the pieces every architecture provides -------------------------------------------
     @abstractmethod
@@ -281,6 +303,8 @@ class DecoderModel(ABC):
 
     def _vocab_kernel(self, vocab: torch.Tensor) -> FusedLinear:
         full = self.lm_head
+        if isinstance(full, BlockLinear):  # the rows' blocks, still quantized
+            return FusedLinear([full.select(vocab.to(full.device))], self.pack, self.row_bucket)
         sub = nn.Linear(full.in_features, vocab.numel(), bias=full.bias is not None, device=self.device, dtype=self.dtype)
         with torch.no_grad():
             sub.weight.copy_(full.weight[vocab])

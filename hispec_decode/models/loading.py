@@ -28,6 +28,7 @@ from ..errors import HiSpecError
 from ..hub import check_fetchable
 from ..files import atomic_directory, check_writable, clean_stale, write_text
 from .gguf_file import read_header
+from .native import load_native, prepare_native
 from .registry import check_supported
 
 logger = logging.getLogger(__name__)
@@ -58,12 +59,15 @@ def hispec_home() -> Path:
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype of activations (``"native"``: bfloat16 activations on GGUF blocks)."""
+    if dtype == NATIVE:
+        return torch.bfloat16
     if isinstance(dtype, torch.dtype):
         if dtype in DTYPES.values():
             return dtype
     elif dtype in DTYPES:
         return DTYPES[dtype]
-    raise HiSpecError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+    raise HiSpecError(f"unsupported dtype {dtype!r}; use auto, native, float32, bfloat16 or float16")
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,52 @@ def packaged_base_dir(base: PackagedBase = DEFAULT_BASE) -> Path:
     return cached_conversion(target, convert)
 
 
+def packaged_native_dir(base: PackagedBase = DEFAULT_BASE) -> Path:
+    """A packaged base in its GGUF blocks (:mod:`.native`), prepared on first use."""
+    target = hispec_home() / "models" / f"{base.cache_name}-native"
+
+    def prepare(directory: Path) -> None:
+        gguf = base.gguf(directory)
+        prepare_native(gguf, directory)
+        if gguf.parent == directory:
+            gguf.unlink()  # an assembled GGUF: only the prepared blocks are kept
+
+    if not cache_complete(target):
+        logger.info("preparing %s (%s) for native decoding in %s (once)", base.alias, base.gguf_file, target)
+    return cached_conversion(target, prepare)
+
+
+def gguf_native_dir(path: Path) -> Path:
+    """A user's GGUF file in its blocks, prepared on first use under ``$HISPEC_HOME/models/gguf``, named
+    by the file's stem and a digest of its size and first and last MiB (a changed file is prepared again)."""
+    read_header(path)  # a cut or unknown-format file fails here, before any work
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    target = hispec_home() / "models" / "gguf" / f"{path.stem}-{digest.hexdigest()[:12]}"
+    if not cache_complete(target):
+        logger.info("preparing %s for native decoding in %s (once)", path, target)
+    return cached_conversion(target, lambda directory: prepare_native(path, directory))
+
+
+NATIVE = "native"  # dtype: a GGUF base on its own blocks, bf16 activations
+AUTO = "auto"  # dtype: native for a GGUF base (packaged or a .gguf path), float32 for any other
+
+
+def is_gguf_base(base: str | os.PathLike | None) -> bool:
+    return base is None or str(base) in PACKAGED_BASES or str(base).endswith(".gguf")
+
+
+def resolve_dtype(base: str | os.PathLike | None, dtype: str | torch.dtype | None) -> str | torch.dtype:
+    """``dtype`` with ``"auto"`` (or None) resolved for ``base``."""
+    if dtype is None or dtype == AUTO:
+        return NATIVE if is_gguf_base(base) else "float32"
+    return dtype
+
+
 def default_base_dir() -> Path:
     """The embedded default model as a safetensors directory, converting it on first use."""
     return packaged_base_dir(DEFAULT_BASE)
@@ -223,6 +273,25 @@ def _legacy_complete(target: Path) -> bool:
     except OSError:
         pass  # a read-only cache: used as it is
     return True
+
+
+def _load_native_base(base: str | os.PathLike | None, packaged: PackagedBase | None) -> LoadedBase:
+    if packaged is not None:
+        directory, name, revision = packaged_native_dir(packaged), packaged.name, packaged.revision
+    elif str(base).endswith(".gguf"):
+        path = Path(base)
+        if not path.is_file():
+            raise HiSpecError(f"GGUF file {base} not found")
+        directory, name, revision = gguf_native_dir(path), str(base), None
+    else:
+        raise HiSpecError(f"dtype='native' decodes GGUF bases (a packaged base or a .gguf file), not {base!r}; "
+                          f"use float32 or bfloat16")
+    try:
+        model = load_native(directory)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        raise HiSpecError(f"cannot load the prepared model in {directory} (delete that directory and it is prepared "
+                          f"again): {type(exc).__name__}: {exc}") from exc
+    return LoadedBase(model, _load_tokenizer(str(directory)), name, revision)
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, object]:
@@ -292,10 +361,12 @@ def _json_object(path: Path) -> dict:
     return data
 
 
-def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32") -> LoadedBase:
+def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype | None = "float32") -> LoadedBase:
     """Load a supported causal LM, frozen and in eval mode. ``trust_remote_code`` stays off.
     ``base``: None (the embedded SmolLM2-135M-Instruct), a packaged base's alias
     (:data:`PACKAGED_BASES`: ``smollm2-135m``, ``gemma3-270m``), a Hub id, a directory or a ``.gguf``.
+    ``dtype``: ``"native"`` decodes a GGUF base on its own blocks (:mod:`.native`; bf16 activations),
+    ``"auto"`` is native for a GGUF base and float32 otherwise; a float dtype de-quantizes a GGUF.
 
     A PEFT LoRA checkpoint directory (``adapter_config.json`` naming its base) is loaded and merged."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -303,9 +374,12 @@ def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype = 
     if base is not None and not isinstance(base, (str, os.PathLike)):
         raise HiSpecError(f"base must be a path, a Hub id, a packaged base's name or None; got {type(base).__name__} "
                           f"{base!r:.60}")
+    dtype = resolve_dtype(base, dtype)
     torch_dtype = parse_dtype(dtype)
     revision = None
     packaged = DEFAULT_BASE if base is None else PACKAGED_BASES.get(str(base))
+    if dtype == NATIVE:
+        return _load_native_base(base, packaged)
     if packaged is not None:
         source, name, revision = str(packaged_base_dir(packaged)), packaged.name, packaged.revision
     else:

@@ -23,7 +23,8 @@ ALIASES = {"do_sample": ["--sample"]}  # the name this CLI had before options ca
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default=None, help="Hub id, local directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--heads", default=None, help="adapter directory or Hub repo id with trained exit heads")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto", help="auto (native for a GGUF base, else float32), native (a GGUF base "
+                   "on its own blocks), float32, bfloat16 or float16")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="each row's numbers independent of the rest of its pass: in bf16/fp16 speculation then equals "
                         "this engine's autoregressive output token for token (default: on for bf16 where the compiled "

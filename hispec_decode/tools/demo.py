@@ -37,7 +37,7 @@ def _run(args: argparse.Namespace) -> int:
     heads = ("none (exits use the base norm + LM head)" if model.adapter is None else
              ", ".join(f"L{e.layer} {e.role} ({e.head_type})" for e in model.adapter.config.exits))
     policy = model.policy(method="hispec")
-    tuned = model.adapter is not None and model.adapter.config.tuned_policy("hispec", model.decoder.dtype) is not None
+    tuned = model.adapter is not None and model.adapter.config.tuned_policy("hispec", model.decoder.precision) is not None
     print(f"loaded {model.base_name} ({model.num_layers} layers, {args.dtype}) in {time.perf_counter() - t0:.1f}s; "
           f"heads: {heads}\npolicy ({'tuned by hispec-tune' if tuned else 'default, not tuned'}): {policy}\n")
     model.generate([encode_prompt(model.tokenizer, "Hi")], max_new_tokens=4, method="autoregressive")  # warm-up

@@ -78,7 +78,7 @@ def adapter_id(adapter: Any) -> str:
 def policy_path(model: Any) -> Path:
     """Where this machine's policy for ``model``'s adapter (or its base, without one) and dtype is kept."""
     owner = adapter_id(model.adapter) if model.adapter is not None else f"base-{base_id(model.base_model)}"
-    key = machine.key(model.decoder.device, model.decoder.dtype, owner)
+    key = machine.key(model.decoder.device, _precision(model), owner)
     return hispec_home() / "machine" / owner / f"{key}.json"
 
 
@@ -345,7 +345,12 @@ def _prior(model: Any, path: Path) -> dict[str, Any]:
 def _about(model: Any, calibration: str) -> dict[str, Any]:
     """What a record was made for: a record made for anything else is made again."""
     return {"derivation": DERIVATION, "machine": machine.describe(model.decoder.device),
-            "dtype": str(model.decoder.dtype), "calibration": calibration}
+            "dtype": str(_precision(model)), "calibration": calibration}
+
+
+def _precision(model: Any) -> Any:
+    """What a record is kept per: ``native`` (GGUF blocks) or the torch dtype."""
+    return "native" if model.decoder.native else model.decoder.dtype
 
 
 def _derive_and_store(model: Any, path: Path) -> dict[str, Any]:

@@ -105,8 +105,7 @@ def add_vocab_rows(runner: ModelRunner, traces: list[Trace], sizes: tuple[int, .
         for size in missing:
             logits = decoder.vocab_logits(x, runner.level_vocab(size))[0]
             if runner.own_tokens:  # as the engine runs it: the sequence's own tokens too
-                add_own_prefix_logits(logits, x[0], trace.tokens, runner.level_mask(size), decoder.lm_head.weight,
-                                      decoder.lm_head.bias)
+                add_own_prefix_logits(logits, x[0], trace.tokens, runner.level_mask(size), decoder.lm_head)
             conf, top = logits.float().softmax(-1).topk(TOP_K, dim=-1)
             trace.top[vocab_key(size)] = top.numpy().astype(np.int64)
             trace.conf[vocab_key(size)] = conf.numpy().astype(np.float32)

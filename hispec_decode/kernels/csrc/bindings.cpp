@@ -10,6 +10,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_kind", &linear_bf16_kind, "the bf16 linear's loop: avx512_bf16, avx2 or none");
   m.def("linear_bf16_group", &linear_bf16_group, "column blocks side by side per input pair in linear_bf16's weight");
   m.def("linear_bf16", &linear_bf16, "bf16 linear on a VNNI-packed weight (row-independent reduction order)");
+  m.def("linear_q_available", &linear_q_available);
+  m.def("linear_q", &linear_q, "linear on a GGUF block weight, 8-bit activations (row-independent order)");
+  m.def("dequantize_rows", &dequantize_rows, "rows of a GGUF block weight as float32");
   m.def("amx_available", &amx_available);
   m.def("linear_amx", &linear_amx, "bf16 linear on AMX tiles over the same VNNI weight (row-independent order)");
   m.def("paged_attention", &paged_attention, "query rows over their own paged K/V (row-independent)");

@@ -29,15 +29,24 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight,
 
 }  // namespace
 
-// One linear as hispec_decode.layers.linear.FusedLinear computes it: on a VNNI weight (bf16) or on
-// oneDNN's packed weight.
+// One linear as hispec_decode.layers.linear.FusedLinear computes it: on a VNNI weight (bf16), on
+// oneDNN's packed weight, or on GGUF block weights (one part per ggml type, outputs side by side).
 struct StackLinear {
   torch::Tensor vnni, vnni_bias, weight;  // vnni (+ float32 bias) or weight (oneDNN's blocked layout)
   std::optional<torch::Tensor> bias;      // oneDNN's bias
   int64_t n = 0;
   bool amx = false;
+  std::vector<torch::Tensor> blocks, block_biases;  // GGUF parts: uint8 [N_i, row bytes], float32 [N_i] or empty
+  std::vector<int64_t> block_types;
 
   torch::Tensor operator()(const torch::Tensor& x) const {  // x [1, T, K] -> [1, T, n]
+    if (!blocks.empty()) {
+      const auto flat = x.reshape({-1, x.size(-1)}).contiguous();
+      std::vector<torch::Tensor> parts;
+      for (size_t i = 0; i < blocks.size(); ++i) parts.push_back(linear_q(flat, blocks[i], block_types[i], block_biases[i]));
+      const auto y = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
+      return y.reshape({x.size(0), x.size(1), n});
+    }
     if (!vnni.defined()) return onednn_linear(x, weight, bias);
     auto flat = x.reshape({-1, x.size(-1)});
     const int64_t kp = 2 * vnni.size(1);
@@ -167,7 +176,18 @@ void bind_stack(pybind11::module& m) {
              TORCH_CHECK(l.vnni.defined() || l.weight.defined(), "StackLinear: a VNNI or a oneDNN weight");
              return l;
            }),
-           py::arg("vnni"), py::arg("vnni_bias"), py::arg("weight"), py::arg("bias"), py::arg("n"), py::arg("amx"));
+           py::arg("vnni"), py::arg("vnni_bias"), py::arg("weight"), py::arg("bias"), py::arg("n"), py::arg("amx"))
+      .def_static("blocks", [](std::vector<torch::Tensor> blocks, std::vector<int64_t> types,
+                               std::vector<torch::Tensor> biases, int64_t n) {
+             TORCH_CHECK(!blocks.empty() && blocks.size() == types.size() && blocks.size() == biases.size(),
+                         "StackLinear.blocks: one type and one bias (maybe empty) per part");
+             StackLinear l;
+             l.blocks = std::move(blocks);
+             l.block_types = std::move(types);
+             l.block_biases = std::move(biases);
+             l.n = n;
+             return l;
+           }, py::arg("blocks"), py::arg("types"), py::arg("biases"), py::arg("n"));
   py::class_<StackNorm>(m, "StackNorm")
       .def(py::init([](torch::Tensor weight, double eps, bool gemma) { return StackNorm{weight, eps, gemma}; }),
            py::arg("weight"), py::arg("eps"), py::arg("gemma"));

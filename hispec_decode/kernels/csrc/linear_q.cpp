@@ -1,0 +1,493 @@
+// y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) where w stays in a GGUF file's own blocks (ggml's
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and x is quantized to 8 bits, as llama.cpp does.
+//
+// Activations: each row of x, per G consecutive inputs (G = 32 for the 32-value formats, 256 for the
+// K formats, as llama.cpp's q8_0 / q8_K), becomes d = amax / 127 and q = round(x * (127 / amax))
+// (nearest, ties to even; q = 0 where amax = 0). hispec_decode.layers.quant.quantize_q8 computes the
+// same values in torch.
+//
+// Weights: every format reads, per 32 inputs ("sub-block"), as 32 unsigned values q of at most 6 bits,
+// two integer scales (one per 16-input half; 1 and 1 except Q6_K), an integer offset o, and floats A
+// and C, with w[i] = A * s_half * (q[i] - o) + C (Q8_0: w[i] = A * q[i], q signed). Dot products are
+// integer arithmetic on 32 lanes (vpmaddubsw, vpmaddwd), scaled in float once per x block: per 32
+// inputs for the 32-value formats, per 256-value super-block for the K formats (their sub-block
+// scales are integers, applied before the conversion); offsets and mins come from x's sums.
+//
+// Out (m, n) adds its blocks in increasing k into its own accumulators, then the vector's lanes in a
+// fixed order; the other rows of the call and the split between threads (threads split n) never
+// change it, so the kernel is batch-invariant. A call over M rows decodes each weight block once per
+// tile of up to 4 rows (a weight row stays in L1 across its tiles).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#include "vec.h"
+
+namespace {
+
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One sub-block as the header describes it.
+struct Sub {
+  __m256i q;            // 32 values, unsigned (signed for Q8_0)
+  float a = 0, c = 0;   // A and C
+  int o = 0;            // offset
+  int s_lo = 1, s_hi = 1;
+};
+
+// Each format: values and bytes per block, and visit(block, f) calling f(k, sub) for each of its
+// sub-blocks in increasing k (k: the sub-block's index within the block).
+inline __m256i nibbles(const uint8_t* qs) {  // 16 bytes -> low nibbles then high nibbles
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+inline __m256i bits_to_bytes(uint32_t bits, uint8_t value) {  // byte i = value where bit i is set, else 0
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x7fbfdfeff7fbfdfeULL));
+  v = _mm256_cmpeq_epi8(_mm256_or_si256(v, select), _mm256_set1_epi64x(-1));
+  return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(value)));
+}
+
+struct FQ4_0 {
+  static constexpr int64_t QK = 32, BYTES = 18;
+  static constexpr bool SIGNED = false;
+  template <class F> static inline void visit(const uint8_t* b, F&& f) {
+    Sub s; s.q = nibbles(b + 2); s.a = half(b); s.o = 8; f(0, s);
+  }
+};
+struct FQ4_1 {
+  static constexpr int64_t QK = 32, BYTES = 20;
+  static constexpr bool SIGNED = false;
+  template <class F> static inline void visit(const uint8_t* b, F&& f) {
+    Sub s; s.q = nibbles(b + 4); s.a = half(b); s.c = half(b + 2); f(0, s);
+  }
+};
+struct FQ5_0 {
+  static constexpr int64_t QK = 32, BYTES = 22;
+  static constexpr bool SIGNED = false;
+  template <class F> static inline void visit(const uint8_t* b, F&& f) {
+    uint32_t qh; std::memcpy(&qh, b + 2, 4);
+    Sub s; s.q = _mm256_or_si256(nibbles(b + 6), bits_to_bytes(qh, 0x10)); s.a = half(b); s.o = 16; f(0, s);
+  }
+};
+struct FQ5_1 {
+  static constexpr int64_t QK = 32, BYTES = 24;
+  static constexpr bool SIGNED = false;
+  template <class F> static inline void visit(const uint8_t* b, F&& f) {
+    uint32_t qh; std::memcpy(&qh, b + 4, 4);
+    Sub s; s.q = _mm256_or_si256(nibbles(b + 8), bits_to_bytes(qh, 0x10)); s.a = half(b); s.c = half(b + 2); f(0, s);
+  }
+};
+struct FQ8_0 {
+  static constexpr int64_t QK = 32, BYTES = 34;
+  static constexpr bool SIGNED = true;
+  template <class F> static inline void visit(const uint8_t* b, F&& f) {
+    Sub s; s.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)); s.a = half(b); f(0, s);
+  }
+};
+
+// the 6-bit scale and min of sub-block j of a Q4_K / Q5_K block (ggml's get_scale_min_k4)
+inline void scale_min(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) { sc = q[j] & 63; m = q[j + 4] & 63; }
+  else { sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+}
+
+struct FQ4_K {  // d, dmin, scales[12], qs[128]
+  static constexpr int64_t QK = 256, BYTES = 144;
+  static constexpr bool SIGNED = false;
+  template <class F> static inline void visit(const uint8_t* b, F&& f) {
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qs = b + 16;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+      int sc, m;
+      Sub s;
+      scale_min(2 * j, scales, sc, m);
+      s.q = _mm256_and_si256(v, low); s.a = d * sc; s.c = -(dmin * m); f(2 * j, s);
+      scale_min(2 * j + 1, scales, sc, m);
+      s.q = _mm256_and_si256(_mm256_srli_epi16(v, 4), low); s.a = d * sc; s.c = -(dmin * m); f(2 * j + 1, s);
+    }
+  }
+};
+
+struct FQ5_K {  // d, dmin, scales[12], qh[32], qs[128]
+  static constexpr int64_t QK = 256, BYTES = 176;
+  static constexpr bool SIGNED = false;
+  template <class F> static inline void visit(const uint8_t* b, F&& f) {
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t* scales = b + 4;
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    const uint8_t* qs = b + 48;
+    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+      // bit 2j (2j + 1) of qh[l] is bit 4 of value l of sub-block 2j (2j + 1)
+      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one), 4);
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one), 4);
+      int sc, m;
+      Sub s;
+      scale_min(2 * j, scales, sc, m);
+      s.q = _mm256_or_si256(_mm256_and_si256(v, low), h0); s.a = d * sc; s.c = -(dmin * m); f(2 * j, s);
+      scale_min(2 * j + 1, scales, sc, m);
+      s.q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), h1); s.a = d * sc; s.c = -(dmin * m);
+      f(2 * j + 1, s);
+    }
+  }
+};
+
+struct FQ6_K {  // ql[128], qh[64], int8 scales[16], d
+  static constexpr int64_t QK = 256, BYTES = 210;
+  static constexpr bool SIGNED = false;
+  template <class F> static inline void visit(const uint8_t* b, F&& f) {
+    const float d = half(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    for (int half128 = 0; half128 < 2; ++half128) {
+      const uint8_t* ql = b + 64 * half128;
+      const uint8_t* qhp = b + 128 + 32 * half128;
+      const int8_t* s8 = sc + 8 * half128;
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qhp));
+      const __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, three), 4)),
+          _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4)),
+      };
+      for (int j = 0; j < 4; ++j) {
+        Sub s; s.q = q[j]; s.a = d; s.o = 32; s.s_lo = s8[2 * j]; s.s_hi = s8[2 * j + 1];
+        f(4 * half128 + j, s);
+      }
+    }
+  }
+};
+
+// x quantized to 8 bits (see the header): per 32 inputs for the 32-value formats, with d * sum(q) per
+// block; per 256 inputs for the K formats, with the sums of q per 16 inputs.
+struct Q8Rows {
+  torch::Tensor q, d, sums;  // int8 [M, K]; float [M, K / G]; 32: float d * sum [M, K / 32], 256: int16 [M, K / 16]
+  int64_t group = 32;
+};
+
+Q8Rows quantize_rows(const torch::Tensor& x, int64_t group) {
+  const auto xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1), B = K / group;
+  Q8Rows r{torch::empty({M, K}, x.options().dtype(at::kChar)), torch::empty({M, B}, x.options().dtype(at::kFloat)),
+           group == 32 ? torch::empty({M, B}, x.options().dtype(at::kFloat))
+                       : torch::empty({M, K / 16}, x.options().dtype(at::kShort)),
+           group};
+  const float* X = xf.data_ptr<float>();
+  int8_t* Q = r.q.data_ptr<int8_t>();
+  float* D = r.d.data_ptr<float>();
+  for (int64_t i = 0; i < M * B; ++i) {
+    const float* v = X + i * group;
+    float amax = 0.f;
+    for (int j = 0; j < group; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    D[i] = amax / 127.f;
+    int32_t sum = 0, sum16 = 0;
+    for (int j = 0; j < group; ++j) {
+      const int q = static_cast<int>(std::nearbyint(v[j] * id));
+      Q[i * group + j] = static_cast<int8_t>(q);
+      sum += q;
+      sum16 += q;
+      if (group != 32 && j % 16 == 15) {
+        r.sums.data_ptr<int16_t>()[i * (group / 16) + j / 16] = static_cast<int16_t>(sum16);
+        sum16 = 0;
+      }
+    }
+    if (group == 32) r.sums.data_ptr<float>()[i] = D[i] * static_cast<float>(sum);
+  }
+  return r;
+}
+
+// 32-value formats: rows m0 .. m0 + MT against weight row w (nb blocks); out[r] gets row r's value.
+// Per block and row: d_x * A * (integer dot) into a vector, (C - A o) * (d_x sum q_x) into a scalar.
+template <class F, int MT>
+inline void dot_rows(const uint8_t* w, int64_t nb, const int8_t* Q, const float* D, const float* XS, int64_t K,
+                     float* out) {
+  __m256 vacc[MT];
+  float sacc[MT];
+  for (int r = 0; r < MT; ++r) { vacc[r] = _mm256_setzero_ps(); sacc[r] = 0.f; }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    F::visit(w + blk * F::BYTES, [&](int, const Sub& s) {
+      const __m256i qw = F::SIGNED ? _mm256_sign_epi8(s.q, s.q) : s.q;
+      const float coef = s.c - s.a * static_cast<float>(s.o);
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r) {
+        __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Q + r * K + blk * 32));
+        if (F::SIGNED) qx = _mm256_sign_epi8(qx, s.q);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones);
+        vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s.a * D[r * (K / 32) + blk]), vacc[r]);
+        if (!F::SIGNED) sacc[r] += coef * XS[r * (K / 32) + blk];
+      }
+    });
+  }
+  for (int r = 0; r < MT; ++r) out[r] = hispec::hsum8(vacc[r]) + sacc[r];
+}
+
+// K formats (256-value super-blocks, x per 256): per super-block and row, the sub-blocks' integer
+// dots times their integer scales add up in one int32 vector, scaled by d * d_x once; the mins (Q4_K,
+// Q5_K) or the offset 32 (Q6_K) come from x's sums per 16 inputs.
+inline __m256i mins_pairs(const int* m) {  // [m0, m0, m1, m1, ..., m7, m7] as int16
+  return _mm256_set_epi16(m[7], m[7], m[6], m[6], m[5], m[5], m[4], m[4], m[3], m[3], m[2], m[2], m[1], m[1], m[0], m[0]);
+}
+
+template <bool FIVE, int MT>
+inline void dot_q45k(const uint8_t* w, int64_t nb, const int8_t* Q, const float* D, const int16_t* BS, int64_t K,
+                     float* out) {
+  __m256 vacc[MT];
+  for (int r = 0; r < MT; ++r) vacc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  constexpr int64_t BYTES = FIVE ? 176 : 144;
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* b = w + blk * BYTES;
+    const float d = half(b), dmin = half(b + 2);
+    int sc[8], m[8];
+    for (int j = 0; j < 8; ++j) scale_min(j, b + 4, sc[j], m[j]);
+    const uint8_t* qs = b + (FIVE ? 48 : 16);
+    __m256i qh;
+    if (FIVE) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    __m256i iacc[MT];
+    for (int r = 0; r < MT; ++r) iacc[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+      __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      if (FIVE) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one), 4));
+      }
+      const __m256i s_lo = _mm256_set1_epi16(static_cast<short>(sc[2 * j])), s_hi = _mm256_set1_epi16(static_cast<short>(sc[2 * j + 1]));
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r) {
+        const int8_t* x = Q + r * K + blk * 256 + 64 * j;
+        const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), s_lo);
+        const __m256i c = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))), s_hi);
+        iacc[r] = _mm256_add_epi32(iacc[r], _mm256_add_epi32(a, c));
+      }
+    }
+    const __m256i mins = mins_pairs(m);
+#pragma GCC unroll 4
+    for (int r = 0; r < MT; ++r) {
+      const float dx = D[r * (K / 256) + blk];
+      const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(BS + r * (K / 16) + blk * 16));
+      vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_set1_ps(d * dx), vacc[r]);
+      vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mins, bsums)), _mm256_set1_ps(-(dmin * dx)), vacc[r]);
+    }
+  }
+  for (int r = 0; r < MT; ++r) out[r] = hispec::hsum8(vacc[r]);
+}
+
+template <int MT>
+inline void dot_q6k(const uint8_t* w, int64_t nb, const int8_t* Q, const float* D, const int16_t* BS, int64_t K,
+                    float* out) {
+  __m256 vacc[MT];
+  for (int r = 0; r < MT; ++r) vacc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* b = w + blk * 210;
+    const float d = half(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    __m256i iacc[MT];
+    for (int r = 0; r < MT; ++r) iacc[r] = _mm256_setzero_si256();
+    for (int h128 = 0; h128 < 2; ++h128) {
+      const uint8_t* ql = b + 64 * h128;
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h128));
+      for (int j = 0; j < 4; ++j) {
+        const __m256i lj = j % 2 ? l1 : l0;
+        const __m256i nib = j < 2 ? _mm256_and_si256(lj, low) : _mm256_and_si256(_mm256_srli_epi16(lj, 4), low);
+        const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j), three), 4));
+        const int8_t* s = sc + 8 * h128 + 2 * j;
+        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(s[1]), _mm_set1_epi16(s[0]));
+#pragma GCC unroll 4
+        for (int r = 0; r < MT; ++r) {
+          const int8_t* x = Q + r * K + blk * 256 + 128 * h128 + 32 * j;
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), scale);
+          iacc[r] = _mm256_add_epi32(iacc[r], p);
+        }
+      }
+    }
+    const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+#pragma GCC unroll 4
+    for (int r = 0; r < MT; ++r) {
+      const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(BS + r * (K / 16) + blk * 16));
+      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(scales, bsums), 5);  // 32 sum_h s_h S_h
+      vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(iacc[r], offset)),
+                                _mm256_set1_ps(d * D[r * (K / 256) + blk]), vacc[r]);
+    }
+  }
+  for (int r = 0; r < MT; ++r) out[r] = hispec::hsum8(vacc[r]);
+}
+
+// The dot product of one weight row with MT rows of the call, by format.
+template <class F>
+struct RowDot {
+  static constexpr int64_t GROUP = 32;
+  template <int MT> static void run(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t m0, float* out) {
+    const int64_t K = x.q.size(1);
+    dot_rows<F, MT>(w, nb, x.q.data_ptr<int8_t>() + m0 * K, x.d.data_ptr<float>() + m0 * (K / 32),
+                    x.sums.data_ptr<float>() + m0 * (K / 32), K, out);
+  }
+};
+template <int KIND>  // 4: Q4_K, 5: Q5_K, 6: Q6_K
+struct KDot {
+  static constexpr int64_t GROUP = 256;
+  template <int MT> static void run(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t m0, float* out) {
+    const int64_t K = x.q.size(1);
+    const int8_t* q = x.q.data_ptr<int8_t>() + m0 * K;
+    const float* d = x.d.data_ptr<float>() + m0 * (K / 256);
+    const int16_t* bs = x.sums.data_ptr<int16_t>() + m0 * (K / 16);
+    if constexpr (KIND == 6) dot_q6k<MT>(w, nb, q, d, bs, K, out);
+    else dot_q45k<KIND == 5, MT>(w, nb, q, d, bs, K, out);
+  }
+};
+
+template <class Dot>
+void linear_rows(const Q8Rows& xq, const uint8_t* W, int64_t row_bytes, int64_t N, int64_t nb, const float* bias,
+                 float* Y) {
+  const int64_t M = xq.q.size(0);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    float out[4];
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* w = W + n * row_bytes;
+      const float b = bias ? bias[n] : 0.f;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t mt = std::min<int64_t>(4, M - m0);
+        switch (mt) {
+          case 4: Dot::template run<4>(w, nb, xq, m0, out); break;
+          case 3: Dot::template run<3>(w, nb, xq, m0, out); break;
+          case 2: Dot::template run<2>(w, nb, xq, m0, out); break;
+          default: Dot::template run<1>(w, nb, xq, m0, out); break;
+        }
+        for (int64_t r = 0; r < mt; ++r) Y[(m0 + r) * N + n] = out[r] + b;
+      }
+    }
+  });
+}
+
+template <class Dot>
+void linear_with(const torch::Tensor& x, const torch::Tensor& w, int64_t qk, const float* bias, torch::Tensor& y) {
+  const Q8Rows xq = quantize_rows(x, Dot::GROUP);
+  linear_rows<Dot>(xq, w.data_ptr<uint8_t>(), w.size(1), w.size(0), x.size(1) / qk, bias, y.data_ptr<float>());
+}
+
+template <class F>
+void dequantize_format(const uint8_t* W, int64_t row_bytes, const int64_t* ids, int64_t n, int64_t K, float* Y) {
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    alignas(32) int8_t q[32];
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* w = W + ids[i] * row_bytes;
+      float* y = Y + i * K;
+      for (int64_t blk = 0; blk < K / F::QK; ++blk)
+        F::visit(w + blk * F::BYTES, [&](int k, const Sub& s) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(q), s.q);
+          float* out = y + blk * F::QK + 32 * k;
+          if (F::SIGNED) {
+            for (int j = 0; j < 32; ++j) out[j] = s.a * static_cast<float>(q[j]);
+            return;
+          }
+          const float a_lo = s.a * static_cast<float>(s.s_lo), a_hi = s.a * static_cast<float>(s.s_hi);
+          for (int j = 0; j < 32; ++j) {
+            const float v = (j < 16 ? a_lo : a_hi) * static_cast<float>(static_cast<uint8_t>(q[j]) - s.o);
+            out[j] = s.c != 0.f ? v + s.c : v;
+          }
+        });
+    }
+  });
+}
+
+template <class Fn>
+void by_format(int64_t type, Fn&& fn) {
+  switch (type) {
+    case Q4_0: fn(FQ4_0{}); break;
+    case Q4_1: fn(FQ4_1{}); break;
+    case Q5_0: fn(FQ5_0{}); break;
+    case Q5_1: fn(FQ5_1{}); break;
+    case Q8_0: fn(FQ8_0{}); break;
+    case Q4_K: fn(FQ4_K{}); break;
+    case Q5_K: fn(FQ5_K{}); break;
+    case Q6_K: fn(FQ6_K{}); break;
+    default: TORCH_CHECK(false, "linear_q: ggml type ", type, " is not served by the kernels");
+  }
+}
+
+void check_weight(const torch::Tensor& w, int64_t type, int64_t K, const char* name) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), name, ": a uint8 [N, row bytes] weight");
+  int64_t qk = 0, bytes = 0;
+  by_format(type, [&](auto f) { qk = decltype(f)::QK; bytes = decltype(f)::BYTES; });
+  TORCH_CHECK(K % qk == 0 && w.size(1) == K / qk * bytes, name, ": ", K, " inputs in ", qk, "-value blocks need ",
+              K / qk * bytes, " bytes per row, the weight has ", w.size(1));
+}
+
+}  // namespace
+
+bool linear_q_available() { return true; }
+
+// x [M, K] bf16 or float32; w uint8 [N, K / QK * BYTES], the file's blocks row by row; bias float32 [N] or
+// empty. Returns [M, N] in x's dtype.
+torch::Tensor linear_q(const torch::Tensor& x, const torch::Tensor& w, int64_t type, const torch::Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "linear_q: x [M, K], "
+              "float32 or bf16");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight(w, type, K, "linear_q");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N), "linear_q: a float32 bias of ",
+              N, " values");
+  auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return y.to(x.scalar_type());
+  const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const auto xc = x.contiguous();
+  switch (type) {
+    case Q4_K: linear_with<KDot<4>>(xc, w, 256, B, y); break;
+    case Q5_K: linear_with<KDot<5>>(xc, w, 256, B, y); break;
+    case Q6_K: linear_with<KDot<6>>(xc, w, 256, B, y); break;
+    default: by_format(type, [&](auto f) { linear_with<RowDot<decltype(f)>>(xc, w, decltype(f)::QK, B, y); });
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// rows ids of w as float32 [len(ids), K] (the weight's values, as ggml de-quantizes them)
+torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& ids, int64_t K) {
+  check_weight(w, type, K, "dequantize_rows");
+  const auto idx = ids.to(at::kLong).contiguous();
+  const int64_t n = idx.numel();
+  const int64_t* I = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(I[i] >= 0 && I[i] < w.size(0), "dequantize_rows: row ", I[i], " of ", w.size(0));
+  auto y = torch::empty({n, K}, w.options().dtype(at::kFloat));
+  by_format(type, [&](auto f) {
+    dequantize_format<decltype(f)>(w.data_ptr<uint8_t>(), w.size(1), I, n, K, y.data_ptr<float>());
+  });
+  return y;
+}
+
+#else
+
+bool linear_q_available() { return false; }
+torch::Tensor linear_q(const torch::Tensor&, const torch::Tensor&, int64_t, const torch::Tensor&) {
+  TORCH_CHECK(false, "linear_q: built without AVX2, FMA and F16C");
+}
+torch::Tensor dequantize_rows(const torch::Tensor&, int64_t, const torch::Tensor&, int64_t) {
+  TORCH_CHECK(false, "dequantize_rows: built without AVX2, FMA and F16C");
+}
+
+#endif

