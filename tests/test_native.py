@@ -71,6 +71,22 @@ def test_torch_fallback_equals_the_oracle(name):
     assert ((y.double() - reference).abs().max() / reference.abs().max()).item() < RELATIVE_TOLERANCE
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_activations_are_quantize_q8s(dtype):
+    """A Q8_0 identity weight (scale 1) returns the kernel's 8-bit activations, de-quantized."""
+    K = 64
+    raw = np.zeros((K, K // 32, 34), dtype=np.uint8)
+    raw[:, :, 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    for n in range(K):
+        raw[n, n // 32, 2 + n % 32] = 1
+    x = (torch.randn(6, K) * 3).to(dtype)
+    x[0, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # ties once scaled by 127 / 127
+    x[1] = 0
+    y = BlockWeight(torch.from_numpy(raw.reshape(K, -1)), SERVED["Q8_0"])(x.float())
+    assert torch.equal(y, quantize_q8(x, 32))
+
+
 def test_activation_quantization_rounds_ties_to_even():
     x = torch.tensor([[127.0, 0.5, 1.5, -2.5] + [0.0] * 28])
     assert quantize_q8(x, 32)[0, :4].tolist() == [127.0, 0.0, 2.0, -2.0]

@@ -22,6 +22,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -181,66 +182,102 @@ struct FQ6_K {  // ql[128], qh[64], int8 scales[16], d
 };
 
 // x quantized to 8 bits (see the header): per 32 inputs for the 32-value formats, with d * sum(q) per
-// block; per 256 inputs for the K formats, with the sums of q per 16 inputs.
-struct Q8Rows {
-  torch::Tensor q, d, sums;  // int8 [M, K]; float [M, K / G]; 32: float d * sum [M, K / 32], 256: int16 [M, K / 16]
-  int64_t group = 32;
+// block; per 256 inputs for the K formats, with the sums of q per 16 inputs. The buffers are the
+// calling thread's own, reused from call to call.
+struct XRows {
+  const int8_t* q;
+  const float* d;
+  const void* sums;  // 32: float d * sum(q) [M, K / 32]; 256: int16 [M, K / 16]
+  int64_t K;
 };
 
-Q8Rows quantize_rows(const torch::Tensor& x, int64_t group) {
-  const auto xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1), B = K / group;
-  Q8Rows r{torch::empty({M, K}, x.options().dtype(at::kChar)), torch::empty({M, B}, x.options().dtype(at::kFloat)),
-           group == 32 ? torch::empty({M, B}, x.options().dtype(at::kFloat))
-                       : torch::empty({M, K / 16}, x.options().dtype(at::kShort)),
-           group};
-  const float* X = xf.data_ptr<float>();
-  int8_t* Q = r.q.data_ptr<int8_t>();
-  float* D = r.d.data_ptr<float>();
+struct Q8Scratch {
+  std::vector<int8_t> q;
+  std::vector<float> d, xs;
+  std::vector<int16_t> bs;
+};
+
+template <class T>
+XRows quantize_rows(const T* X, int64_t M, int64_t K, int64_t group) {
+  thread_local Q8Scratch s;
+  const int64_t B = K / group;
+  s.q.resize(M * K);
+  s.d.resize(M * B);
+  if (group == 32) s.xs.resize(M * B); else s.bs.resize(M * K / 16);
+  int8_t* Q = s.q.data();
+  float* D = s.d.data();
+  const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t i = 0; i < M * B; ++i) {
-    const float* v = X + i * group;
-    float amax = 0.f;
-    for (int j = 0; j < group; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const T* v = X + i * group;
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < group; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, hispec::load8(v + j)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
     const float id = amax > 0.f ? 127.f / amax : 0.f;
     D[i] = amax / 127.f;
-    int32_t sum = 0, sum16 = 0;
-    for (int j = 0; j < group; ++j) {
-      const int q = static_cast<int>(std::nearbyint(v[j] * id));
-      Q[i * group + j] = static_cast<int8_t>(q);
-      sum += q;
-      sum16 += q;
-      if (group != 32 && j % 16 == 15) {
-        r.sums.data_ptr<int16_t>()[i * (group / 16) + j / 16] = static_cast<int16_t>(sum16);
-        sum16 = 0;
-      }
+    const __m256 scale = _mm256_set1_ps(id);
+    int32_t total = 0;
+    for (int j = 0; j < group; j += 16) {  // 16 values: round to nearest even (the default MXCSR mode)
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(hispec::load8(v + j), scale));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(hispec::load8(v + j + 8), scale));
+      const __m256i s16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // 16 int16 in order
+      const __m128i s8 = _mm_packs_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(Q + i * group + j), s8);
+      const __m256i w32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(w32), _mm256_extracti128_si256(w32, 1));
+      t = _mm_hadd_epi32(t, t);
+      t = _mm_hadd_epi32(t, t);
+      const int32_t sum = _mm_cvtsi128_si32(t);
+      if (group != 32) s.bs[i * (group / 16) + j / 16] = static_cast<int16_t>(sum);
+      total += sum;
     }
-    if (group == 32) r.sums.data_ptr<float>()[i] = D[i] * static_cast<float>(sum);
+    if (group == 32) s.xs[i] = D[i] * static_cast<float>(total);
   }
-  return r;
+  return XRows{Q, D, group == 32 ? static_cast<const void*>(s.xs.data()) : static_cast<const void*>(s.bs.data()), K};
 }
 
 // 32-value formats: rows m0 .. m0 + MT against weight row w (nb blocks); out[r] gets row r's value.
 // Per block and row: d_x * A * (integer dot) into a vector, (C - A o) * (d_x sum q_x) into a scalar.
-template <class F, int MT>
-inline void dot_rows(const uint8_t* w, int64_t nb, const int8_t* Q, const float* D, const float* XS, int64_t K,
-                     float* out) {
+template <int64_t TYPE>
+inline __m256i decode32(const uint8_t* b) {
+  if constexpr (TYPE == Q4_0) return nibbles(b + 2);
+  if constexpr (TYPE == Q4_1) return nibbles(b + 4);
+  if constexpr (TYPE == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  uint32_t qh;
+  if constexpr (TYPE == Q5_0) {
+    std::memcpy(&qh, b + 2, 4);
+    return _mm256_or_si256(nibbles(b + 6), bits_to_bytes(qh, 0x10));
+  }
+  std::memcpy(&qh, b + 4, 4);  // Q5_1
+  return _mm256_or_si256(nibbles(b + 8), bits_to_bytes(qh, 0x10));
+}
+
+template <int64_t TYPE, int64_t BYTES, int MT>
+inline void dot32(const uint8_t* w, int64_t nb, const int8_t* Q, const float* D, const float* XS, int64_t K,
+                  float* out) {
+  constexpr bool SIGNED = TYPE == Q8_0, MIN = TYPE == Q4_1 || TYPE == Q5_1;
+  constexpr float OFFSET = TYPE == Q4_0 ? 8.f : TYPE == Q5_0 ? 16.f : 0.f;
+  const int64_t KB = K / 32;
   __m256 vacc[MT];
   float sacc[MT];
   for (int r = 0; r < MT; ++r) { vacc[r] = _mm256_setzero_ps(); sacc[r] = 0.f; }
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t blk = 0; blk < nb; ++blk) {
-    F::visit(w + blk * F::BYTES, [&](int, const Sub& s) {
-      const __m256i qw = F::SIGNED ? _mm256_sign_epi8(s.q, s.q) : s.q;
-      const float coef = s.c - s.a * static_cast<float>(s.o);
+    const uint8_t* b = w + blk * BYTES;
+    const __m256i q = decode32<TYPE>(b);
+    const float a = half(b);
+    const float coef = MIN ? half(b + 2) : -a * OFFSET;
+    const __m256i qw = SIGNED ? _mm256_sign_epi8(q, q) : q;
 #pragma GCC unroll 4
-      for (int r = 0; r < MT; ++r) {
-        __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Q + r * K + blk * 32));
-        if (F::SIGNED) qx = _mm256_sign_epi8(qx, s.q);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones);
-        vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s.a * D[r * (K / 32) + blk]), vacc[r]);
-        if (!F::SIGNED) sacc[r] += coef * XS[r * (K / 32) + blk];
-      }
-    });
+    for (int r = 0; r < MT; ++r) {
+      __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Q + r * K + blk * 32));
+      if (SIGNED) qx = _mm256_sign_epi8(qx, q);
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones);
+      vacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a * D[r * KB + blk]), vacc[r]);
+      if (!SIGNED) sacc[r] += coef * XS[r * KB + blk];
+    }
   }
   for (int r = 0; r < MT; ++r) out[r] = hispec::hsum8(vacc[r]) + sacc[r];
 }
@@ -341,32 +378,31 @@ inline void dot_q6k(const uint8_t* w, int64_t nb, const int8_t* Q, const float* 
 }
 
 // The dot product of one weight row with MT rows of the call, by format.
-template <class F>
+template <int64_t TYPE, int64_t BYTES>
 struct RowDot {
   static constexpr int64_t GROUP = 32;
-  template <int MT> static void run(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t m0, float* out) {
-    const int64_t K = x.q.size(1);
-    dot_rows<F, MT>(w, nb, x.q.data_ptr<int8_t>() + m0 * K, x.d.data_ptr<float>() + m0 * (K / 32),
-                    x.sums.data_ptr<float>() + m0 * (K / 32), K, out);
+  template <int MT> static void run(const uint8_t* w, int64_t nb, const XRows& x, int64_t m0, float* out) {
+    const int64_t K = x.K;
+    dot32<TYPE, BYTES, MT>(w, nb, x.q + m0 * K, x.d + m0 * (K / 32), static_cast<const float*>(x.sums) + m0 * (K / 32),
+                           K, out);
   }
 };
 template <int KIND>  // 4: Q4_K, 5: Q5_K, 6: Q6_K
 struct KDot {
   static constexpr int64_t GROUP = 256;
-  template <int MT> static void run(const uint8_t* w, int64_t nb, const Q8Rows& x, int64_t m0, float* out) {
-    const int64_t K = x.q.size(1);
-    const int8_t* q = x.q.data_ptr<int8_t>() + m0 * K;
-    const float* d = x.d.data_ptr<float>() + m0 * (K / 256);
-    const int16_t* bs = x.sums.data_ptr<int16_t>() + m0 * (K / 16);
+  template <int MT> static void run(const uint8_t* w, int64_t nb, const XRows& x, int64_t m0, float* out) {
+    const int64_t K = x.K;
+    const int8_t* q = x.q + m0 * K;
+    const float* d = x.d + m0 * (K / 256);
+    const int16_t* bs = static_cast<const int16_t*>(x.sums) + m0 * (K / 16);
     if constexpr (KIND == 6) dot_q6k<MT>(w, nb, q, d, bs, K, out);
     else dot_q45k<KIND == 5, MT>(w, nb, q, d, bs, K, out);
   }
 };
 
-template <class Dot>
-void linear_rows(const Q8Rows& xq, const uint8_t* W, int64_t row_bytes, int64_t N, int64_t nb, const float* bias,
-                 float* Y) {
-  const int64_t M = xq.q.size(0);
+template <class Dot, class T>
+void linear_rows(const XRows& xq, int64_t M, const uint8_t* W, int64_t row_bytes, int64_t N, int64_t nb,
+                 const float* bias, T* Y) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     float out[4];
     for (int64_t n = begin; n < end; ++n) {
@@ -380,7 +416,7 @@ void linear_rows(const Q8Rows& xq, const uint8_t* W, int64_t row_bytes, int64_t 
           case 2: Dot::template run<2>(w, nb, xq, m0, out); break;
           default: Dot::template run<1>(w, nb, xq, m0, out); break;
         }
-        for (int64_t r = 0; r < mt; ++r) Y[(m0 + r) * N + n] = out[r] + b;
+        for (int64_t r = 0; r < mt; ++r) Y[(m0 + r) * N + n] = static_cast<T>(out[r] + b);
       }
     }
   });
@@ -388,8 +424,14 @@ void linear_rows(const Q8Rows& xq, const uint8_t* W, int64_t row_bytes, int64_t 
 
 template <class Dot>
 void linear_with(const torch::Tensor& x, const torch::Tensor& w, int64_t qk, const float* bias, torch::Tensor& y) {
-  const Q8Rows xq = quantize_rows(x, Dot::GROUP);
-  linear_rows<Dot>(xq, w.data_ptr<uint8_t>(), w.size(1), w.size(0), x.size(1) / qk, bias, y.data_ptr<float>());
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kBFloat16) {
+    const XRows xq = quantize_rows(x.data_ptr<at::BFloat16>(), M, K, Dot::GROUP);
+    linear_rows<Dot>(xq, M, w.data_ptr<uint8_t>(), w.size(1), w.size(0), K / qk, bias, y.data_ptr<at::BFloat16>());
+  } else {
+    const XRows xq = quantize_rows(x.data_ptr<float>(), M, K, Dot::GROUP);
+    linear_rows<Dot>(xq, M, w.data_ptr<uint8_t>(), w.size(1), w.size(0), K / qk, bias, y.data_ptr<float>());
+  }
 }
 
 template <class F>
@@ -453,17 +495,22 @@ torch::Tensor linear_q(const torch::Tensor& x, const torch::Tensor& w, int64_t t
   check_weight(w, type, K, "linear_q");
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N), "linear_q: a float32 bias of ",
               N, " values");
-  auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0) return y.to(x.scalar_type());
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
   const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
   const auto xc = x.contiguous();
   switch (type) {
     case Q4_K: linear_with<KDot<4>>(xc, w, 256, B, y); break;
     case Q5_K: linear_with<KDot<5>>(xc, w, 256, B, y); break;
     case Q6_K: linear_with<KDot<6>>(xc, w, 256, B, y); break;
-    default: by_format(type, [&](auto f) { linear_with<RowDot<decltype(f)>>(xc, w, decltype(f)::QK, B, y); });
+    case Q4_0: linear_with<RowDot<Q4_0, 18>>(xc, w, 32, B, y); break;
+    case Q4_1: linear_with<RowDot<Q4_1, 20>>(xc, w, 32, B, y); break;
+    case Q5_0: linear_with<RowDot<Q5_0, 22>>(xc, w, 32, B, y); break;
+    case Q5_1: linear_with<RowDot<Q5_1, 24>>(xc, w, 32, B, y); break;
+    case Q8_0: linear_with<RowDot<Q8_0, 34>>(xc, w, 32, B, y); break;
+    default: TORCH_CHECK(false, "linear_q: ggml type ", type, " is not served by the kernels");
   }
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y;
 }
 
 // rows ids of w as float32 [len(ids), K] (the weight's values, as ggml de-quantizes them)
