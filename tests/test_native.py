@@ -202,3 +202,42 @@ def test_packaged_bases_every_method_equals_plain_natively(alias):
     model = HiSpecModel.from_pretrained(alias)
     assert model.decoder.native
     _every_method_equals_plain(model, ["Write a function that reverses a list.", "Tell me about the sea."], new=32)
+
+
+# -- the peer in the benchmark -----------------------------------------------------------------------
+def _fake_llama_bench(tmp_path, rate: float = 50.0):
+    script = tmp_path / "llama-bench"
+    script.write_text(f"#!/bin/sh\necho '[{{\"n_gen\": 8, \"avg_ts\": {rate}}}]'\n")
+    script.chmod(0o755)
+    return script
+
+
+def test_llama_bench_is_found_and_parsed(tmp_path, monkeypatch):
+    from hispec_decode.tools import llama_cpp
+
+    fake = _fake_llama_bench(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv(llama_cpp.ENV, raising=False)
+    assert llama_cpp.find_llama_bench() == fake
+    assert llama_cpp.llama_bench(fake, tmp_path / "x.gguf", 8, threads=2) == 50.0
+    with pytest.raises(HiSpecError, match="is not an executable file"):
+        llama_cpp.find_llama_bench(str(tmp_path / "missing"))
+    with llama_cpp.gguf_file("some/dir") as none:
+        assert none is None
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_hispec_bench_runs_llama_bench_on_the_same_file(tmp_path):
+    import json
+
+    from hispec_decode.tools import bench
+
+    fake, out = _fake_llama_bench(tmp_path, 40.0), tmp_path / "bench.json"
+    assert bench.main(["--dtypes", "auto", "--methods", "autoregressive,hispec", "--num-prompts", "2",
+                       "--max-new-tokens", "8", "--llama-bench", str(fake), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["dtypes"]["auto"]
+    assert res["llama_cpp"]["runs"] == 2 and res["llama_cpp"]["tokens_per_second"] == 40.0
+    assert res["llama_cpp"]["file"].endswith(".gguf")
+    for row in res["methods"].values():
+        assert row["ratio_to_llama_cpp"] == pytest.approx(row["tokens_per_second"] / 40.0, abs=1e-3)

@@ -10,12 +10,14 @@ pass (layers ``0..L_d`` plus the draft exit), both for a single new token.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import statistics
 import json
 import logging
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +32,7 @@ from ..engine.sequence import BandRequest, Counters, Sequence
 from ..errors import HiSpecError
 from ..extras import pyplot
 from ..files import check_writable, save_figure, write_text
-from ..models.loading import parse_dtype
-from ..outputs import level_acceptance
+from ..models.loading import parse_dtype, resolve_dtype
 from ..sampling_params import SamplingParams
 from .args import (
     OTHER_HEADS,
@@ -45,57 +46,14 @@ from .args import (
     method_settings,
     method_variant,
 )
+from . import llama_cpp
 from .cli import add_debug_arg, positive_int, positive_int_list, run_cli
 from .profile_split import profile_split
+from .tally import Tally
 from .roofline import memory_bandwidth, roofline
 
 logger = logging.getLogger(__name__)
 METHODS = ("transformers", "autoregressive", "self_spec", "self_spec:fixed", "hispec", "hispec:fixed", "hispec:paper")
-
-
-@dataclass
-class Tally:
-    tokens: int = 0
-    seconds: float = 0.0
-    matches: int = 0
-    prompts: int = 0
-    counters: Counters = field(default_factory=Counters)
-    outputs: list[list[int]] = field(default_factory=list)
-    levels: list[str] = field(default_factory=list)  # the name of each level above the drafter
-    rates: list[float] = field(default_factory=list)  # each prompt's tokens per second, in prompt order
-
-    def tps(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds else None
-
-    def row(self, baseline: Tally | None, plain: Tally | None = None) -> dict[str, Any]:
-        """``plain``: the autoregressive run with the same numerics (its tokens/s and outputs)."""
-        c = self.counters
-        tps = self.tps() or 0.0
-        base_tps, ar_tps = baseline and baseline.tps(), plain and plain.tps()
-        return {
-            "tokens": self.tokens, "seconds": round(self.seconds, 4), "tokens_per_second": round(tps, 3),
-            "ratio_to_transformers": round(tps / base_tps, 3) if base_tps else None,
-            "ratio_to_autoregressive": round(tps / ar_tps, 3) if ar_tps else None,
-            "acceptance_intermediate": round(c.accepted_intermediate / c.drafted, 4) if c.drafted else None,
-            "acceptance_final": round(c.accepted_final / c.tentative, 4) if c.tentative else None,
-            "tokens_per_full_call": round(self.tokens / c.calls_full, 3) if c.calls_full else None,
-            "levels": level_acceptance(self.levels, c),
-            "matches_transformers": f"{self.matches}/{self.prompts}",
-            "matches_autoregressive": (f"{sum(a == b for a, b in zip(self.outputs, plain.outputs))}/{self.prompts}"
-                                       if plain else None),
-            "per_prompt_ratio_to_autoregressive": spread(self.rates, plain.rates) if plain else None,
-        }
-
-
-def spread(rates: list[float], plain: list[float]) -> dict[str, float] | None:
-    """Each prompt's speed over plain decoding's on the same prompt: min, median and max (a mean hides the
-    prompts where speculation loses)."""
-    ratios = sorted(r / p for r, p in zip(rates, plain) if p > 0)
-    if not ratios:
-        return None
-    mid = len(ratios) // 2
-    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-    return {"min": round(ratios[0], 3), "median": round(median, 3), "max": round(ratios[-1], 3)}
 
 
 def _hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -140,11 +98,18 @@ def bench_prompts(model, n: int, prompt_set_name: str = "builtin") -> list[list[
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    binary = llama_cpp.find_llama_bench(args.llama_bench)
+    with llama_cpp.gguf_file(args.base) if binary is not None else contextlib.nullcontext() as gguf:
+        return _run_benchmark(args, binary if gguf is not None else None, gguf)
+
+
+def _run_benchmark(args: argparse.Namespace, binary: Path | None, gguf: Path | None) -> dict[str, Any]:
     from ..api import HiSpecModel
 
     results: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
                                "num_prompts": args.num_prompts, "machine": machine.describe(), "dtypes": {}}
     for dtype in args.dtypes.split(","):
+        peer: list[float] = []  # llama.cpp's tokens/s on the same file, one run per prompt
         models = ModelVariants(lambda invariant, other: HiSpecModel.from_pretrained(
             args.base, args.heads_b if other else args.heads, dtype=dtype, batch_invariant=invariant),
             args.batch_invariant)
@@ -179,6 +144,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 tally.counters.add(counters)
                 tally.prompts += 1
                 tally.outputs.append(tokens)
+            if binary is not None:
+                peer.append(llama_cpp.llama_bench(binary, gguf, args.max_new_tokens))
         baseline = tallies.get("transformers")
         for tally in tallies.values():
             if baseline is not None:
@@ -192,6 +159,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "policy": asdict(policy) | {"self_spec_num_draft": model.policy(for_method(config, "self_spec")).num_draft},
             "verification_wall": verification_wall(model, policy, prompts[0]),
         }
+        if peer:
+            results["dtypes"][dtype]["llama_cpp"] = llama_cpp.peer_row(peer) | {"file": str(gguf)}
+            for r in rows.values():
+                r["ratio_to_llama_cpp"] = round(r["tokens_per_second"] / statistics.fmean(peer), 3)
         if args.profile:
             results["dtypes"][dtype]["profile"] = profile_split(
                 lambda: model.generate([prompts[0]], sampling, for_method(config, "autoregressive")))
@@ -231,6 +202,11 @@ def format_table(results: dict[str, Any]) -> str:
             lines.append(f"profile ({dtype}, autoregressive, first prompt): attention {100 * f['attention']:.0f}%, "
                          f"linears {100 * f['linears']:.0f}%, other ops {100 * f['other_ops']:.0f}%, "
                          f"outside operators {100 * f['python']:.0f}%")
+        if "llama_cpp" in res:
+            peer = res["llama_cpp"]
+            lines.append(f"llama.cpp ({dtype} run): llama-bench tg{results['max_new_tokens']} on {Path(peer['file']).name}: "
+                         f"{peer['tokens_per_second']:.2f} tok/s over {peer['runs']} runs; x llama.cpp: "
+                         + ", ".join(f"{m} {r['ratio_to_llama_cpp']:.2f}" for m, r in res["methods"].items()))
         lines.append(f"policy ({dtype}): {res['policy']}")
         lines.append("")
     return "\n".join(lines)
@@ -239,7 +215,8 @@ def format_table(results: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated dtypes, each benchmarked in turn")
+    p.add_argument("--dtypes", default="auto,bfloat16", help="comma-separated dtypes, each benchmarked in turn (auto: "
+                   "native for a GGUF base, else float32)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated methods, each optionally METHOD:VARIANT: full_vocab (early exits ignore the "
                         "heads' reduced vocabulary), eager or gather (batched verification schedule), paper (N_i=4, "
@@ -249,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "use this machine's policy (derived from the adapter's calibration, or tuned here); a spec "
                         "ending in @b runs with the adapter of --heads-b (two adapters side by side)")
     p.add_argument("--heads-b", default=None, help="a second adapter, for the methods ending in @b")
+    p.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="llama.cpp's llama-bench, run on the same GGUF file once per prompt (default: $HISPEC_LLAMA_BENCH "
+                        "or llama-bench on PATH; none found: not run)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--num-prompts", type=positive_int, default=len(CHAT_PROMPTS))
     p.add_argument("--prompts", default="builtin", choices=PROMPT_SETS,
@@ -292,7 +272,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
             p.error(f"--methods {spec}: a method ending in {OTHER_HEADS} runs on --heads-b, which is not given")
     for dtype in args.dtypes.split(","):
         try:
-            parse_dtype(dtype)
+            parse_dtype(resolve_dtype(args.base, dtype))
         except HiSpecError as exc:
             p.error(f"--dtypes: {exc}")
     return p, args

@@ -285,8 +285,20 @@ inline void dot32(const uint8_t* w, int64_t nb, const int8_t* Q, const float* D,
 // K formats (256-value super-blocks, x per 256): per super-block and row, the sub-blocks' integer
 // dots times their integer scales add up in one int32 vector, scaled by d * d_x once; the mins (Q4_K,
 // Q5_K) or the offset 32 (Q6_K) come from x's sums per 16 inputs.
-inline __m256i mins_pairs(const int* m) {  // [m0, m0, m1, m1, ..., m7, m7] as int16
-  return _mm256_set_epi16(m[7], m[7], m[6], m[6], m[5], m[5], m[4], m[4], m[3], m[3], m[2], m[2], m[1], m[1], m[0], m[0]);
+
+// The 8 six-bit scales and 8 mins of a Q4_K / Q5_K block as int16: scales in the low 128 bits, mins in
+// the high (ggml's get_scale_min_k4 for all 8 sub-blocks at once).
+inline __m256i scales_mins(const uint8_t* packed) {
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+  const uint32_t mins_low = u[1] & m1;
+  u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+  u[2] = mins_low;
+  u[0] &= m1;
+  return _mm256_cvtepu8_epi16(_mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]), static_cast<int>(u[1]),
+                                            static_cast<int>(u[0])));
 }
 
 template <bool FIVE, int MT>
@@ -299,8 +311,10 @@ inline void dot_q45k(const uint8_t* w, int64_t nb, const int8_t* Q, const float*
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* b = w + blk * BYTES;
     const float d = half(b), dmin = half(b + 2);
-    int sc[8], m[8];
-    for (int j = 0; j < 8; ++j) scale_min(j, b + 4, sc[j], m[j]);
+    const __m256i sm = scales_mins(b + 4);
+    const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);  // the 8 scales in both halves
+    const __m128i m8 = _mm256_extracti128_si256(sm, 1);
+    const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));  // m0 m0 m1 m1 ..
     const uint8_t* qs = b + (FIVE ? 48 : 16);
     __m256i qh;
     if (FIVE) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
@@ -313,7 +327,9 @@ inline void dot_q45k(const uint8_t* w, int64_t nb, const int8_t* Q, const float*
         lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one), 4));
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one), 4));
       }
-      const __m256i s_lo = _mm256_set1_epi16(static_cast<short>(sc[2 * j])), s_hi = _mm256_set1_epi16(static_cast<short>(sc[2 * j + 1]));
+      // scale 2j (2j + 1) broadcast to every int16 lane: bytes 4j, 4j + 1 (4j + 2, 4j + 3) of each 128-bit half
+      const __m256i s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<short>((4 * j + 1) << 8 | 4 * j)));
+      const __m256i s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<short>((4 * j + 3) << 8 | (4 * j + 2))));
 #pragma GCC unroll 4
       for (int r = 0; r < MT; ++r) {
         const int8_t* x = Q + r * K + blk * 256 + 64 * j;
@@ -322,7 +338,6 @@ inline void dot_q45k(const uint8_t* w, int64_t nb, const int8_t* Q, const float*
         iacc[r] = _mm256_add_epi32(iacc[r], _mm256_add_epi32(a, c));
       }
     }
-    const __m256i mins = mins_pairs(m);
 #pragma GCC unroll 4
     for (int r = 0; r < MT; ++r) {
       const float dx = D[r * (K / 256) + blk];

@@ -1,0 +1,73 @@
+"""The peer in the benchmark: llama.cpp's ``llama-bench`` on the same GGUF file.
+
+Where a ``llama-bench`` binary is found (``--llama-bench PATH``, ``$HISPEC_LLAMA_BENCH`` or ``PATH``)
+and the base is a GGUF file (a packaged base or a ``.gguf`` path), ``hispec-bench`` runs
+``llama-bench -p 0 -n N -t T -r 1`` once per prompt, between the engine's methods, and reports each
+method's speed over llama.cpp's plain decoding of that file. How to build it from the PyPI sdist:
+docs/native.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..errors import HiSpecError
+from ..models.loading import DEFAULT_BASE, PACKAGED_BASES
+
+ENV = "HISPEC_LLAMA_BENCH"
+TIMEOUT_S = 600
+
+
+def find_llama_bench(explicit: str | None = None) -> Path | None:
+    """The ``llama-bench`` to run: ``explicit``, else ``$HISPEC_LLAMA_BENCH``, else one on ``PATH``."""
+    named = explicit or os.environ.get(ENV)
+    if named:
+        path = Path(named).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise HiSpecError(f"llama-bench {named} is not an executable file")
+        return path
+    found = shutil.which("llama-bench")
+    return Path(found) if found else None
+
+
+@contextlib.contextmanager
+def gguf_file(base: str | None) -> Iterator[Path | None]:
+    """The GGUF file of ``base`` (a packaged base's is joined into a temporary directory and removed
+    after), None for a base that is not a GGUF file."""
+    if base is not None and str(base).endswith(".gguf"):
+        yield Path(base)
+        return
+    packaged = DEFAULT_BASE if base is None else PACKAGED_BASES.get(str(base))
+    if packaged is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="hispec-gguf-") as tmp:
+        yield packaged.gguf(Path(tmp))
+
+
+def llama_bench(binary: Path, gguf: Path, new_tokens: int, threads: int | None = None) -> float:
+    """llama.cpp's plain decoding speed on ``gguf``: tokens/s of one ``tg{new_tokens}`` run."""
+    threads = threads or torch.get_num_threads()
+    cmd = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-t", str(threads), "-r", "1", "-o", "json"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=True)
+        return float(json.loads(done.stdout)[-1]["avg_ts"])
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError, TypeError) as exc:
+        detail = getattr(exc, "stderr", "") or ""
+        raise HiSpecError(f"llama-bench failed on {gguf}: {type(exc).__name__}: {exc} {detail.strip()[-300:]}") from None
+
+
+def peer_row(rates: list[float]) -> dict[str, float]:
+    """llama.cpp's runs summarised: the mean of its rates and their spread."""
+    return {"tokens_per_second": round(statistics.fmean(rates), 3), "runs": len(rates),
+            "min": round(min(rates), 3), "max": round(max(rates), 3)}
