@@ -15,6 +15,8 @@ from hispec_decode.errors import HiSpecError
 from hispec_decode.layers import quant
 from hispec_decode.layers.quant import SERVED, BlockLinear, BlockWeight, quantize_q8
 
+from conftest import ARCHS, identity_above, save_tiny, zero_head
+
 gguf = pytest.importorskip("gguf")
 needs_kernel = pytest.mark.skipif(not quant.has_kernel(), reason="the block kernels are not built here")
 # the kernel and the float64 reference differ only in float32 rounding of the block sums
@@ -241,3 +243,56 @@ def test_hispec_bench_runs_llama_bench_on_the_same_file(tmp_path):
     assert res["llama_cpp"]["file"].endswith(".gguf")
     for row in res["methods"].values():
         assert row["ratio_to_llama_cpp"] == pytest.approx(row["tokens_per_second"] / 40.0, abs=1e-3)
+
+
+# -- a float checkpoint quantized on load -----------------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_on_load_every_method_equals_plain(tiny_models, arch):
+    model = HiSpecModel.from_pretrained(str(tiny_models[arch].path), heads="none", dtype="q8_0")
+    assert model.decoder.native and model.decoder.precision == "q8_0"
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, model.decoder.vocab_size, (n,), generator=g).tolist() for n in (5, 9)]
+    plain = model.generate(ids, max_new_tokens=12, method="autoregressive").sequences
+    n = model.num_layers
+    for method, kwargs in [("self_spec", {"draft_layer": 1}),
+                           ("hispec", {"draft_layer": 1, "verify_layer": max(2, n - 1), "window": 3,
+                                       "batch_aware": False, "guard": False})]:
+        assert model.generate(ids, max_new_tokens=12, method=method, **kwargs).sequences == plain, (arch, method)
+
+
+def test_quantize_on_load_names_the_formats(trainable_base):
+    with pytest.raises(HiSpecError, match="q8_0"):
+        HiSpecModel.from_pretrained(str(trainable_base), dtype="q3_k")
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "opt"])
+def test_quantized_exits_that_accept_everything(arch, tmp_path):
+    """Zero blocks above layer 1 (zero weights quantize to zero): every draft is the final prediction."""
+    tiny = save_tiny(arch, tmp_path / "base", mutate=identity_above(1))
+    model = tiny.load(heads="none", dtype="q8_0")
+    prompt = [3, 1, 4, 1, 5]
+    plain = model.generate([prompt], max_new_tokens=16, method="autoregressive").sequences
+    hi = model.generate([prompt], max_new_tokens=16, method="hispec", draft_layer=1, verify_layer=3, window=4,
+                        num_draft=3, batch_aware=False, guard=False)
+    assert hi.sequences == plain
+    assert hi.stats["acceptance_intermediate"] == 1.0 and hi.stats["acceptance_final"] == 1.0
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_quantized_exits_that_reject_almost_everything(arch, tiny_models, tmp_path):
+    from hispec_decode import ExitSpec, HiSpecAdapter
+
+    base = tiny_models[arch].load(heads="none", dtype="q8_0")
+    specs = [ExitSpec(1, "draft", "deep_context"), ExitSpec(3, "intermediate", "deep_context")]
+    adapter = HiSpecAdapter.create(base.decoder, str(tiny_models[arch].path), specs)
+    zero_head(adapter.head(1))
+    adapter.save_pretrained(tmp_path / "heads")
+    model = tiny_models[arch].load(heads=str(tmp_path / "heads"), dtype="q8_0")
+    prompt = [3, 1, 4, 1, 5]
+    plain = model.generate([prompt], max_new_tokens=16, method="autoregressive").sequences
+    out = model.generate([prompt], max_new_tokens=16, method="hispec", window=4, num_draft=3, batch_aware=False,
+                         guard=False)
+    assert out.sequences == plain and out.stats["acceptance_intermediate"] <= 0.25

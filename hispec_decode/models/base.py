@@ -189,7 +189,9 @@ class DecoderModel(ABC):
     def precision(self) -> str:
         """What the weights are decoded in: ``native`` (GGUF blocks) or the dtype's name; tuned policies
         and this machine's costs are kept per precision."""
-        return "native" if self.native else str(self.dtype).removeprefix("torch.")
+        if self.native:
+            return getattr(self.model, "hispec_precision", "native")
+        return str(self.dtype).removeprefix("torch.")
 
     # -- the pieces every architecture provides -------------------------------------------
     @abstractmethod

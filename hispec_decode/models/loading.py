@@ -29,6 +29,7 @@ from ..hub import check_fetchable
 from ..files import atomic_directory, check_writable, clean_stale, write_text
 from .gguf_file import read_header
 from .native import load_native, prepare_native
+from .quantize import ON_LOAD, quantize_model
 from .registry import check_supported
 
 logger = logging.getLogger(__name__)
@@ -60,14 +61,15 @@ def hispec_home() -> Path:
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """The torch dtype of activations (``"native"``: bfloat16 activations on GGUF blocks)."""
-    if dtype == NATIVE:
+    if dtype == NATIVE or dtype in ON_LOAD:
         return torch.bfloat16
     if isinstance(dtype, torch.dtype):
         if dtype in DTYPES.values():
             return dtype
     elif dtype in DTYPES:
         return DTYPES[dtype]
-    raise HiSpecError(f"unsupported dtype {dtype!r}; use auto, native, float32, bfloat16 or float16")
+    raise HiSpecError(f"unsupported dtype {dtype!r}; use auto, native, float32, bfloat16, float16 or, to quantize a "
+                      f"float checkpoint on load, {', '.join(ON_LOAD)}")
 
 
 @dataclass(frozen=True)
@@ -366,7 +368,8 @@ def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype | 
     ``base``: None (the embedded SmolLM2-135M-Instruct), a packaged base's alias
     (:data:`PACKAGED_BASES`: ``smollm2-135m``, ``gemma3-270m``), a Hub id, a directory or a ``.gguf``.
     ``dtype``: ``"native"`` decodes a GGUF base on its own blocks (:mod:`.native`; bf16 activations),
-    ``"auto"`` is native for a GGUF base and float32 otherwise; a float dtype de-quantizes a GGUF.
+    ``"auto"`` is native for a GGUF base and float32 otherwise; a float dtype de-quantizes a GGUF;
+    ``"q8_0"`` (or ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``) quantizes a float checkpoint on load (:mod:`.quantize`).
 
     A PEFT LoRA checkpoint directory (``adapter_config.json`` naming its base) is loaded and merged."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -380,6 +383,11 @@ def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype | 
     packaged = DEFAULT_BASE if base is None else PACKAGED_BASES.get(str(base))
     if dtype == NATIVE:
         return _load_native_base(base, packaged)
+    if dtype in ON_LOAD:  # a float checkpoint quantized into blocks (models.quantize)
+        loaded = load_base(base, "float32")
+        loaded.model = quantize_model(loaded.model, str(dtype))
+        loaded.model.hispec_precision = str(dtype)
+        return loaded
     if packaged is not None:
         source, name, revision = str(packaged_base_dir(packaged)), packaged.name, packaged.revision
     else:

@@ -38,7 +38,7 @@ def _run(args: argparse.Namespace) -> int:
              ", ".join(f"L{e.layer} {e.role} ({e.head_type})" for e in model.adapter.config.exits))
     policy = model.policy(method="hispec")
     tuned = model.adapter is not None and model.adapter.config.tuned_policy("hispec", model.decoder.precision) is not None
-    print(f"loaded {model.base_name} ({model.num_layers} layers, {args.dtype}) in {time.perf_counter() - t0:.1f}s; "
+    print(f"loaded {model.base_name} ({model.num_layers} layers, {model.decoder.precision}) in {time.perf_counter() - t0:.1f}s; "
           f"heads: {heads}\npolicy ({'tuned by hispec-tune' if tuned else 'default, not tuned'}): {policy}\n")
     model.generate([encode_prompt(model.tokenizer, "Hi")], max_new_tokens=4, method="autoregressive")  # warm-up
     model.generate([encode_prompt(model.tokenizer, "Hi")], max_new_tokens=4, method="hispec")
@@ -53,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f">>> {text}\n{model.tokenizer.decode(fast.sequences[0], skip_special_tokens=True)}\n")
         print("   ", format_stats(fast.stats))
         print("   ", format_stats(base.stats))
-        same = "identical" if fast.sequences == base.sequences else "DIFFERENT (numerics of this dtype; fp32 is exact)"
+        same = "identical" if fast.sequences == base.sequences else "DIFFERENT (rounding differs between passes here; --batch-invariant makes it exact)"
         print(f"    speed-up {fast.stats['tokens_per_second'] / base.stats['tokens_per_second']:.2f}x, output {same}\n")
     speed = {name: tokens / seconds for name, (tokens, seconds) in total.items()}
     print(f"overall: hispec {speed['hispec']:.1f} tok/s, plain decoding {speed['autoregressive']:.1f} tok/s: "

@@ -350,7 +350,7 @@ def _about(model: Any, calibration: str) -> dict[str, Any]:
 
 def _precision(model: Any) -> Any:
     """What a record is kept per: ``native`` (GGUF blocks) or the torch dtype."""
-    return "native" if model.decoder.native else model.decoder.dtype
+    return model.decoder.precision if model.decoder.native else model.decoder.dtype
 
 
 def _derive_and_store(model: Any, path: Path) -> dict[str, Any]:
