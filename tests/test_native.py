@@ -208,8 +208,17 @@ def test_packaged_bases_every_method_equals_plain_natively(alias):
 
 # -- the peer in the benchmark -----------------------------------------------------------------------
 def _fake_llama_bench(tmp_path, rate: float = 50.0):
+    """A llama-bench that reports ``rate`` new tokens per second, whatever the test (-pg P,N: its
+    tokens per second over P + N tokens, as llama-bench counts them)."""
+    import sys
+
     script = tmp_path / "llama-bench"
-    script.write_text(f"#!/bin/sh\necho '[{{\"n_gen\": 8, \"avg_ts\": {rate}}}]'\n")
+    script.write_text(f"""#!{sys.executable}
+import json, sys
+args = sys.argv[1:]
+p, n = map(int, args[args.index("-pg") + 1].split(",")) if "-pg" in args else (0, int(args[args.index("-n") + 1]))
+print(json.dumps([{{"n_prompt": p, "n_gen": n, "avg_ts": {rate} * (p + n) / n}}]))
+""")
     script.chmod(0o755)
     return script
 
@@ -222,6 +231,7 @@ def test_llama_bench_is_found_and_parsed(tmp_path, monkeypatch):
     monkeypatch.delenv(llama_cpp.ENV, raising=False)
     assert llama_cpp.find_llama_bench() == fake
     assert llama_cpp.llama_bench(fake, tmp_path / "x.gguf", 8, threads=2) == 50.0
+    assert llama_cpp.llama_bench(fake, tmp_path / "x.gguf", 8, threads=2, prompt_tokens=24) == pytest.approx(50.0)
     with pytest.raises(HiSpecError, match="is not an executable file"):
         llama_cpp.find_llama_bench(str(tmp_path / "missing"))
     with llama_cpp.gguf_file("some/dir") as none:
@@ -239,10 +249,10 @@ def test_hispec_bench_runs_llama_bench_on_the_same_file(tmp_path):
     assert bench.main(["--dtypes", "auto", "--methods", "autoregressive,hispec", "--num-prompts", "2",
                        "--max-new-tokens", "8", "--llama-bench", str(fake), "--json", str(out)]) == 0
     res = json.loads(out.read_text())["dtypes"]["auto"]
-    assert res["llama_cpp"]["runs"] == 2 and res["llama_cpp"]["tokens_per_second"] == 40.0
+    assert res["llama_cpp"]["runs"] == 2 and res["llama_cpp"]["tokens_per_second"] == pytest.approx(40.0)
     assert res["llama_cpp"]["file"].endswith(".gguf")
     for row in res["methods"].values():
-        assert row["ratio_to_llama_cpp"] == pytest.approx(row["tokens_per_second"] / 40.0, abs=1e-3)
+        assert row["ratio_to_llama_cpp"] == pytest.approx(row["tokens_per_second"] / 40.0, abs=2e-3)
 
 
 # -- a float checkpoint quantized on load -----------------------------------------------------------

@@ -145,7 +145,7 @@ def _run_benchmark(args: argparse.Namespace, binary: Path | None, gguf: Path | N
                 tally.prompts += 1
                 tally.outputs.append(tokens)
             if binary is not None:
-                peer.append(llama_cpp.llama_bench(binary, gguf, args.max_new_tokens))
+                peer.append(llama_cpp.llama_bench(binary, gguf, args.max_new_tokens, prompt_tokens=len(prompt)))
         baseline = tallies.get("transformers")
         for tally in tallies.values():
             if baseline is not None:
@@ -204,8 +204,9 @@ def format_table(results: dict[str, Any]) -> str:
                          f"outside operators {100 * f['python']:.0f}%")
         if "llama_cpp" in res:
             peer = res["llama_cpp"]
-            lines.append(f"llama.cpp ({dtype} run): llama-bench tg{results['max_new_tokens']} on {Path(peer['file']).name}: "
-                         f"{peer['tokens_per_second']:.2f} tok/s over {peer['runs']} runs; x llama.cpp: "
+            lines.append(f"llama.cpp ({dtype} run): llama-bench on {Path(peer['file']).name}, each prompt's length + "
+                         f"{results['max_new_tokens']} new tokens: {peer['tokens_per_second']:.2f} new tok/s over "
+                         f"{peer['runs']} runs; x llama.cpp: "
                          + ", ".join(f"{m} {r['ratio_to_llama_cpp']:.2f}" for m, r in res["methods"].items()))
         lines.append(f"policy ({dtype}): {res['policy']}")
         lines.append("")

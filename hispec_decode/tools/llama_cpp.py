@@ -55,13 +55,18 @@ def gguf_file(base: str | None) -> Iterator[Path | None]:
         yield packaged.gguf(Path(tmp))
 
 
-def llama_bench(binary: Path, gguf: Path, new_tokens: int, threads: int | None = None) -> float:
-    """llama.cpp's plain decoding speed on ``gguf``: tokens/s of one ``tg{new_tokens}`` run."""
+def llama_bench(binary: Path, gguf: Path, new_tokens: int, threads: int | None = None, prompt_tokens: int = 0) -> float:
+    """llama.cpp's plain decoding speed on ``gguf``: new tokens per second of one run that reads a
+    prompt of ``prompt_tokens`` tokens and generates ``new_tokens`` (``-pg``; ``tg`` alone without a
+    prompt), timed from the prompt's start, as the engine's requests are."""
     threads = threads or torch.get_num_threads()
-    cmd = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-t", str(threads), "-r", "1", "-o", "json"]
+    test = ["-p", "0", "-n", str(new_tokens)] if prompt_tokens <= 0 else [
+        "-p", "0", "-n", "0", "-pg", f"{prompt_tokens},{new_tokens}"]
+    cmd = [str(binary), "-m", str(gguf), *test, "-t", str(threads), "-r", "1", "-o", "json"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=True)
-        return float(json.loads(done.stdout)[-1]["avg_ts"])
+        run = json.loads(done.stdout)[-1]
+        return float(run["avg_ts"]) * new_tokens / (new_tokens + max(prompt_tokens, 0))
     except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError, TypeError) as exc:
         detail = getattr(exc, "stderr", "") or ""
         raise HiSpecError(f"llama-bench failed on {gguf}: {type(exc).__name__}: {exc} {detail.strip()[-300:]}") from None

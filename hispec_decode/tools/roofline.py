@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from ..layers.quant import BlockEmbedding, BlockLinear
+
 PROBE_BYTES = 768 << 20  # well past any last-level cache
 
 
@@ -28,14 +30,25 @@ def memory_bandwidth(probe_bytes: int = PROBE_BYTES, reps: int = 7) -> float:
     return probe_bytes / best
 
 
+def _weights(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors a module's weights are stored in: its parameters, or a GGUF block weight's blocks."""
+    if isinstance(module, BlockEmbedding):
+        return [module.table.blocks]
+    if isinstance(module, BlockLinear):
+        return [module.blocks]
+    return [p for m in module.modules() if not isinstance(m, (BlockLinear, BlockEmbedding))
+            for p in m.parameters(recurse=False)] + [b for m in module.modules() if isinstance(m, BlockLinear)
+                                                     for b in [m.blocks]]
+
+
 def decode_step_bytes(model: torch.nn.Module) -> int:
-    """Weight bytes one batch-1 decoding step reads: every parameter once, except an input
-    embedding table that is not also the LM head (a step reads one of its rows)."""
-    embedding = model.get_input_embeddings().weight
+    """Weight bytes one batch-1 decoding step reads: every weight once (in its stored format), except an
+    input embedding table that is not also the LM head (a step reads one of its rows)."""
+    embedding = {t.data_ptr() for t in _weights(model.get_input_embeddings())}
     head = model.get_output_embeddings()
-    tied = head is not None and head.weight.data_ptr() == embedding.data_ptr()
-    params = {p.data_ptr(): p for p in model.parameters()}
-    return sum(p.numel() * p.element_size() for ptr, p in params.items() if tied or ptr != embedding.data_ptr())
+    tied = head is not None and bool(embedding & {t.data_ptr() for t in _weights(head)})
+    tensors = {t.data_ptr(): t for t in _weights(model)}
+    return sum(t.numel() * t.element_size() for ptr, t in tensors.items() if tied or ptr not in embedding)
 
 
 def roofline(model: torch.nn.Module, tokens_per_second: dict[str, float], bandwidth: float) -> dict[str, float]:
