@@ -308,3 +308,26 @@ def test_quantized_exits_that_reject_almost_everything(arch, tiny_models, tmp_pa
     out = model.generate([prompt], max_new_tokens=16, method="hispec", window=4, num_draft=3, batch_aware=False,
                          guard=False)
     assert out.sequences == plain and out.stats["acceptance_intermediate"] <= 0.25
+
+
+def test_q4_k_quantized_on_load_reads_back_through_the_oracle():
+    from hispec_decode.models.quantize import quantize_q4_k
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 512, generator=g)
+    w[3] = 0  # an all-zero row: scales 0, values 0
+    w[5, :32] += 4.0  # a sub-block far from the rest
+    blocks = quantize_q4_k(w.numpy())
+    assert blocks.dtype == np.uint8 and blocks.shape == (24, 512 // 256 * 144)
+    back = oracle(blocks, SERVED["Q4_K"])
+    assert torch.equal(back[3], torch.zeros(512))
+    # each value within a half step of its sub-block's grid (d * sc) plus the 6-bit scales' rounding
+    x = w.reshape(24, 2, 8, 32)
+    spread = (x.amax(-1) - x.amin(-1).clamp(max=0)).repeat_interleave(32, -1).reshape(24, 512)
+    assert ((back - w).abs() <= spread / 15 + 1e-3).all()
+    assert ((back - w).abs().mean() / w.abs().mean()) < 0.12
+    if quant.has_kernel():  # the kernel reads these blocks as a file's
+        x = torch.randn(3, 512, generator=g)
+        y = BlockWeight(torch.from_numpy(blocks), SERVED["Q4_K"])(x)
+        reference = quantize_q8(x, 256).double() @ back.double().T
+        assert ((y.double() - reference).abs().max() / reference.abs().max()).item() < RELATIVE_TOLERANCE

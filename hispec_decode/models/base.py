@@ -116,8 +116,8 @@ class DecoderModel(ABC):
         CPU whose linears all run on the compiled VNNI kernel (AMX, AVX-512 BF16 or AVX2), which is
         row-independent as it stands, so the mode only changes how attention is computed (every row on
         the paged kernel; docs/batch-invariance.md)."""
-        if self.native:
-            return self.device.type == "cpu" and has_block_kernel()
+        if self.native:  # block linears, and any bf16 ones on the VNNI kernel: all row-independent
+            return self.device.type == "cpu" and has_block_kernel() and (self.dtype != torch.bfloat16 or kernels.has_linear_bf16())
         return (self.dtype == torch.bfloat16 and self.device.type == "cpu" and self.pack
                 and kernels.has_linear_bf16())
 
@@ -182,15 +182,15 @@ class DecoderModel(ABC):
 
     @property
     def native(self) -> bool:
-        """The base decodes on GGUF block weights (layers.quant)."""
-        return isinstance(self.lm_head, BlockLinear)
+        """The base decodes on GGUF block weights (layers.quant): a GGUF file's or quantized on load."""
+        return getattr(self.model, "hispec_precision", None) is not None
 
     @property
     def precision(self) -> str:
         """What the weights are decoded in: ``native`` (GGUF blocks) or the dtype's name; tuned policies
         and this machine's costs are kept per precision."""
         if self.native:
-            return getattr(self.model, "hispec_precision", "native")
+            return self.model.hispec_precision
         return str(self.dtype).removeprefix("torch.")
 
     # -- the pieces every architecture provides -------------------------------------------

@@ -27,7 +27,7 @@ from ..errors import HiSpecError
 from ..hub import check_fetchable
 from .cache_dir import CACHE_MARKER, cache_complete, cached_conversion, hispec_home
 from .gguf_file import read_header
-from .native import load_native, prepare_native
+from .native import copy_tokenizer, load_native, prepare_native
 from .quantize import ON_LOAD, quantize_model
 from .registry import check_supported
 
@@ -151,13 +151,19 @@ def packaged_base_dir(base: PackagedBase = DEFAULT_BASE) -> Path:
     if cache_complete(target):
         return target
 
+    native = hispec_home() / "models" / f"{base.cache_name}-native"  # if prepared: its tokenizer is reused
+
     def convert(directory: Path) -> None:
         gguf = base.gguf(directory)
-        model, tokenizer = _load_gguf(gguf, torch.float32)
+        reuse = cache_complete(native)
+        model, tokenizer = _load_gguf(gguf, torch.float32, tokenizer=not reuse)
         if gguf.parent == directory:
             gguf.unlink()  # an assembled GGUF: only the conversion is kept
         model.save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
+        if reuse:
+            copy_tokenizer(native, directory)
+        else:
+            tokenizer.save_pretrained(directory)
 
     logger.info("converting %s (%s) to safetensors in %s (once)", base.alias, base.gguf_file, target)
     return cached_conversion(target, convert)
@@ -167,9 +173,11 @@ def packaged_native_dir(base: PackagedBase = DEFAULT_BASE) -> Path:
     """A packaged base in its GGUF blocks (:mod:`.native`), prepared on first use."""
     target = hispec_home() / "models" / f"{base.cache_name}-native"
 
+    converted = hispec_home() / "models" / base.cache_name  # its float conversion, if made: its tokenizer is reused
+
     def prepare(directory: Path) -> None:
         gguf = base.gguf(directory)
-        prepare_native(gguf, directory)
+        prepare_native(gguf, directory, converted if cache_complete(converted) else None)
         if gguf.parent == directory:
             gguf.unlink()  # an assembled GGUF: only the prepared blocks are kept
 
@@ -233,7 +241,7 @@ def _load_native_base(base: str | os.PathLike | None, packaged: PackagedBase | N
     return LoadedBase(model, _load_tokenizer(str(directory)), name, revision)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, object]:
+def _load_gguf(path: Path, dtype: torch.dtype, tokenizer: bool = True) -> tuple[nn.Module, object | None]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     read_header(path)  # a cut, damaged or unknown-format file fails here, in one line, before any work
@@ -249,8 +257,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, object]:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.is_quantized = False
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return model.to(dtype), tokenizer
+    return model.to(dtype), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name) if tokenizer else None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -306,7 +313,7 @@ def load_base(base: str | os.PathLike | None = None, dtype: str | torch.dtype | 
     (:data:`PACKAGED_BASES`: ``smollm2-135m``, ``gemma3-270m``), a Hub id, a directory or a ``.gguf``.
     ``dtype``: ``"native"`` decodes a GGUF base on its own blocks (:mod:`.native`; bf16 activations),
     ``"auto"`` is native for a GGUF base and float32 otherwise; a float dtype de-quantizes a GGUF;
-    ``"q8_0"`` (or ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``) quantizes a float checkpoint on load (:mod:`.quantize`).
+    ``"q8_0"`` (or ``q4_k``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``) quantizes a float checkpoint on load (:mod:`.quantize`).
 
     A PEFT LoRA checkpoint directory (``adapter_config.json`` naming its base) is loaded and merged."""
     from transformers import AutoConfig, AutoModelForCausalLM

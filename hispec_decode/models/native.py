@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,8 @@ from .registry import check_supported
 logger = logging.getLogger(__name__)
 
 WEIGHTS = "blocks.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 MANIFEST = "native.json"
 FORMAT = 1
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
@@ -67,8 +70,10 @@ def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
     return None if np.array_equal(order, np.arange(rows)) else order
 
 
-def prepare_native(gguf: Path, target: Path) -> None:
-    """Write the native form of the GGUF file ``gguf`` into the directory ``target`` (see the module)."""
+def prepare_native(gguf: Path, target: Path, converted: Path | None = None) -> None:
+    """Write the native form of the GGUF file ``gguf`` into the directory ``target`` (see the module).
+    ``converted``: a finished float conversion of the same file, whose config and tokenizer files are
+    copied instead of being read from the GGUF again (a large vocabulary takes a minute)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
     from safetensors.torch import save_file
@@ -83,7 +88,7 @@ def prepare_native(gguf: Path, target: Path) -> None:
                               f"de-quantize it")
     try:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = None if converted is not None else AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (OSError, ValueError, KeyError, EOFError) as exc:
         raise HiSpecError(f"cannot read the GGUF file {gguf}: {type(exc).__name__}: {exc}") from exc
     check_supported(config.model_type)
@@ -111,13 +116,19 @@ def prepare_native(gguf: Path, target: Path) -> None:
     save_file(tensors, str(target / WEIGHTS), metadata={"ggml_types": json.dumps(types)})
     config.save_pretrained(target)
     GenerationConfig.from_model_config(config).save_pretrained(target)
-    tokenizer.save_pretrained(target)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(target)
+    else:
+        copy_tokenizer(converted, target)
     (target / MANIFEST).write_text(json.dumps({"format": FORMAT, "source": gguf.name, "file_bytes": header.file_size,
                                                "block_tensors": len(types)}, indent=2))
 
 
-def is_native(directory: Path) -> bool:
-    return (directory / MANIFEST).is_file() and (directory / WEIGHTS).is_file()
+def copy_tokenizer(source: Path, target: Path) -> None:
+    """The tokenizer files of a prepared or converted model directory, copied into ``target``."""
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, target / name)
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -167,6 +178,7 @@ def load_native(directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Modu
         raise HiSpecError(f"the prepared model in {directory} lacks {', '.join(still_meta[:5])} (delete the "
                           f"directory and it is prepared again); missing: {', '.join(missing[:5])}")
     model.to(dtype)
+    model.hispec_precision = "native"  # DecoderModel.precision: what records and tuned policies are kept per
     try:
         model.generation_config = GenerationConfig.from_pretrained(directory)
     except OSError:
