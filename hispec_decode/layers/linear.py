@@ -111,8 +111,8 @@ class FusedLinear:
         self.rows = rows
         self.sizes = [lin.out_features for lin in linears]
         self.out_features = sum(self.sizes)
-        self.vnni: torch.Tensor | None = None
-        self.amx = False
+        self.vnni: torch.Tensor | None = None  # the VNNI copy (bf16 with the compiled kernel), used for every call
+        self.amx = False  # every call on AMX tiles over the VNNI copy
         self.blocks: list[quant.BlockWeight] | None = None  # GGUF block weights (layers.quant), one per format
         if any(isinstance(lin, quant.BlockLinear) for lin in linears):
             if not all(isinstance(lin, quant.BlockLinear) for lin in linears):
@@ -124,9 +124,6 @@ class FusedLinear:
         has_bias = any(lin.bias is not None for lin in linears)
         biases = [lin.bias.detach() if lin.bias is not None else w.new_zeros(w.shape[0]) for lin, w in zip(linears, weights)]
         self.packed = pack and can_pack(weights[0])
-        self.vnni: torch.Tensor | None = None  # the VNNI copy (bf16 with the compiled kernel), used for every call
-        self.out_features = sum(self.sizes)
-        self.amx = False  # every call on AMX tiles over the VNNI copy
         if self.packed and weights[0].dtype == torch.bfloat16 and kernels.has_linear_bf16():
             self.amx = kernels.has_amx()
             weight = torch.cat(weights) if len(weights) > 1 else weights[0]

@@ -117,7 +117,8 @@ class DecoderModel(ABC):
         row-independent as it stands, so the mode only changes how attention is computed (every row on
         the paged kernel; docs/batch-invariance.md)."""
         if self.native:  # block linears, and any bf16 ones on the VNNI kernel: all row-independent
-            return self.device.type == "cpu" and has_block_kernel() and (self.dtype != torch.bfloat16 or kernels.has_linear_bf16())
+            return (self.device.type == "cpu" and has_block_kernel()
+                    and (self.dtype != torch.bfloat16 or kernels.has_linear_bf16()))
         return (self.dtype == torch.bfloat16 and self.device.type == "cpu" and self.pack
                 and kernels.has_linear_bf16())
 

@@ -151,7 +151,7 @@ def packaged_base_dir(base: PackagedBase = DEFAULT_BASE) -> Path:
     if cache_complete(target):
         return target
 
-    native = hispec_home() / "models" / f"{base.cache_name}-native"  # if prepared: its tokenizer is reused
+    native = _native_target(base)  # if prepared: its tokenizer is reused
 
     def convert(directory: Path) -> None:
         gguf = base.gguf(directory)
@@ -169,9 +169,13 @@ def packaged_base_dir(base: PackagedBase = DEFAULT_BASE) -> Path:
     return cached_conversion(target, convert)
 
 
+def _native_target(base: PackagedBase) -> Path:
+    return hispec_home() / "models" / f"{base.cache_name}-native"
+
+
 def packaged_native_dir(base: PackagedBase = DEFAULT_BASE) -> Path:
     """A packaged base in its GGUF blocks (:mod:`.native`), prepared on first use."""
-    target = hispec_home() / "models" / f"{base.cache_name}-native"
+    target = _native_target(base)
 
     converted = hispec_home() / "models" / base.cache_name  # its float conversion, if made: its tokenizer is reused
 

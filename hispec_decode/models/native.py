@@ -36,11 +36,9 @@ from .registry import check_supported
 logger = logging.getLogger(__name__)
 
 WEIGHTS = "blocks.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
-MANIFEST = "native.json"
-FORMAT = 1
-FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+TOKENIZER_COPY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")  # every file a tokenizer saves
+FLOAT_TYPES = frozenset({0, 1, 30})  # ggml's F32, F16, BF16: de-quantized to float32
 
 
 def _skeleton(config) -> nn.Module:
@@ -120,13 +118,11 @@ def prepare_native(gguf: Path, target: Path, converted: Path | None = None) -> N
         tokenizer.save_pretrained(target)
     else:
         copy_tokenizer(converted, target)
-    (target / MANIFEST).write_text(json.dumps({"format": FORMAT, "source": gguf.name, "file_bytes": header.file_size,
-                                               "block_tensors": len(types)}, indent=2))
 
 
 def copy_tokenizer(source: Path, target: Path) -> None:
     """The tokenizer files of a prepared or converted model directory, copied into ``target``."""
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_COPY:
         if (source / name).is_file():
             shutil.copyfile(source / name, target / name)
 

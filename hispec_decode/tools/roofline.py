@@ -31,14 +31,11 @@ def memory_bandwidth(probe_bytes: int = PROBE_BYTES, reps: int = 7) -> float:
 
 
 def _weights(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The tensors a module's weights are stored in: its parameters, or a GGUF block weight's blocks."""
-    if isinstance(module, BlockEmbedding):
-        return [module.table.blocks]
-    if isinstance(module, BlockLinear):
-        return [module.blocks]
-    return [p for m in module.modules() if not isinstance(m, (BlockLinear, BlockEmbedding))
-            for p in m.parameters(recurse=False)] + [b for m in module.modules() if isinstance(m, BlockLinear)
-                                                     for b in [m.blocks]]
+    """The tensors a module's weights are stored in: its parameters and its GGUF block weights' blocks."""
+    out = []
+    for m in module.modules():
+        out += [m.blocks] if isinstance(m, BlockLinear) else list(m.parameters(recurse=False))
+    return out
 
 
 def decode_step_bytes(model: torch.nn.Module) -> int:
