@@ -39,11 +39,15 @@ def oracle(raw: np.ndarray, ggml_type: int) -> torch.Tensor:
 
 
 @needs_kernel
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rows", "x8"])
 @pytest.mark.parametrize("name", list(SERVED))
-def test_kernel_equals_the_gguf_oracle(name):
+def test_kernel_equals_the_gguf_oracle(name, interleaved):
     t, K, N = SERVED[name], 512, 48
     raw = random_blocks(t, N, K)
     blocks, W = torch.from_numpy(raw), oracle(raw, t)
+    if interleaved:
+        blocks, t = quant.pack(blocks, t)
+        assert t == SERVED[name] + quant.X8 and blocks.shape == raw.shape
     assert torch.equal(quant.dequantize(blocks, t, K), W)  # the file's values, bit for bit
     rows = torch.tensor([5, 0, 47, 5])
     assert torch.equal(quant.dequantize(blocks, t, K, rows), W[rows])
@@ -59,13 +63,33 @@ def test_kernel_equals_the_gguf_oracle(name):
     assert torch.equal(BlockWeight(blocks, t, bias)(xb), BlockWeight(blocks, t, bias)(xb.float()).bfloat16())
 
 
+@pytest.mark.parametrize("name", list(SERVED))
+def test_interleaving_moves_bytes_and_selects_rows(name):
+    t, K, N = SERVED[name], 256, 24
+    raw = torch.from_numpy(random_blocks(t, N, K, seed=2))
+    packed, kind = quant.pack(raw, t)
+    assert kind == t + quant.X8 and not torch.equal(packed, raw)
+    assert torch.equal(quant.unpack_rows(packed, kind), raw)
+    rows = torch.tensor([23, 0, 9, 9])
+    assert torch.equal(quant.unpack_rows(packed, kind, rows), raw[rows])
+    twenty, kind20 = quant.pack(raw[:20], t)  # not a multiple of 8 rows: left row-major
+    assert kind20 == t and torch.equal(twenty, raw[:20])
+    linear = BlockLinear(packed, kind, K, torch.arange(N).float(), torch.float32)
+    eight, five = linear.select(torch.arange(8, 16)), linear.select(torch.tensor([3, 1, 4, 1, 5]))
+    assert eight.ggml_type == kind and five.ggml_type == t  # a multiple of 8 rows stays interleaved
+    assert torch.equal(quant.unpack_rows(eight.blocks, eight.ggml_type), raw[8:16])
+    assert torch.equal(five.blocks, raw[[3, 1, 4, 1, 5]]) and five.block_bias.tolist() == [3, 1, 4, 1, 5]
+    with pytest.raises(ValueError, match="groups of 8 rows"):
+        BlockLinear(raw[:12], kind, K)
+
+
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_torch_fallback_equals_the_oracle(name):
     t, K, N = SERVED[name], 256, 24
     raw = random_blocks(t, N, K, seed=1)
     x = torch.randn(5, K)
     with kernels.disabled():
-        linear = BlockLinear(torch.from_numpy(raw), t, K, None, torch.float32)
+        linear = BlockLinear(*quant.pack(torch.from_numpy(raw), t), K, None, torch.float32)
         y = linear(x)
         assert torch.equal(linear.weight, oracle(raw, t))
     reference = quantize_q8(x, quant.activation_group(t)).double() @ oracle(raw, t).double().T
@@ -153,7 +177,7 @@ def test_smollm2_decodes_natively_by_default_and_every_method_equals_plain():
     assert model.decoder.native and model.decoder.precision == "native" and model.decoder.layer_stack is not None
     assert model.adapter is not None  # the default heads load on the native base (same fingerprint)
     q_proj = model.base_model.model.layers[0].self_attn.q_proj
-    assert isinstance(q_proj, BlockLinear) and q_proj.ggml_type == SERVED["Q4_1"]
+    assert isinstance(q_proj, BlockLinear) and q_proj.ggml_type == SERVED["Q4_1"] + quant.X8  # interleaved on load
     # the resident weights are the file's bytes, not a de-quantized copy
     weights = (directory / "blocks.safetensors").stat().st_size
     held = {m.blocks.untyped_storage().data_ptr(): m.blocks.untyped_storage().nbytes()

@@ -28,23 +28,80 @@ from .. import kernels
 
 SERVED = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 K_FORMATS = frozenset({12, 13, 14})
+X8 = 256  # added to a ggml type: the blocks are interleaved by 8 rows (:func:`pack`)
 _NO_BIAS = torch.empty(0)
+
+# Each format's fields as (offset, bytes, chunk): pack puts a field's chunks of 8 rows side by side
+# (kernels/csrc/blocks_x8.h reads them): half-precision scales by 2 bytes, the K formats' packed
+# scales by 1, quants and high bits by 4.
+FIELDS: dict[int, tuple[tuple[int, int, int], ...]] = {
+    2: ((0, 2, 2), (2, 16, 4)),
+    3: ((0, 2, 2), (2, 2, 2), (4, 16, 4)),
+    6: ((0, 2, 2), (2, 4, 4), (6, 16, 4)),
+    7: ((0, 2, 2), (2, 2, 2), (4, 4, 4), (8, 16, 4)),
+    8: ((0, 2, 2), (2, 32, 4)),
+    12: ((0, 2, 2), (2, 2, 2), (4, 12, 1), (16, 128, 4)),
+    13: ((0, 2, 2), (2, 2, 2), (4, 12, 1), (16, 32, 4), (48, 128, 4)),
+    14: ((0, 128, 4), (128, 64, 4), (192, 16, 1), (208, 2, 2)),
+}
+
+
+def base_type(ggml_type: int) -> int:
+    """The ggml format of ``ggml_type``, interleaved or not."""
+    return ggml_type % X8
 
 
 def block_shape(ggml_type: int) -> tuple[int, int]:
     """(values, bytes) of one block of ``ggml_type``."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    return GGML_QUANT_SIZES[GGMLQuantizationType(base_type(ggml_type))]
 
 
 def type_name(ggml_type: int) -> str:
-    return next((name for name, i in SERVED.items() if i == ggml_type), f"ggml type {ggml_type}")
+    name = next((name for name, i in SERVED.items() if i == base_type(ggml_type)), f"ggml type {ggml_type}")
+    return name + " x8" if ggml_type >= X8 else name
 
 
 def activation_group(ggml_type: int) -> int:
     """Inputs per 8-bit activation scale for weights of ``ggml_type``."""
-    return 256 if ggml_type in K_FORMATS else 32
+    return 256 if base_type(ggml_type) in K_FORMATS else 32
+
+
+def _group_order(ggml_type: int, row_bytes: int) -> torch.Tensor:
+    """int64 [8 * row_bytes]: position p of an interleaved group of 8 rows holds byte ``order[p]`` of
+    the 8 rows side by side (row c's byte i at ``c * row_bytes + i``)."""
+    _, nbytes = block_shape(ggml_type)
+    one = []
+    for offset, size, chunk in FIELDS[base_type(ggml_type)]:
+        for i in range(size // chunk):
+            for c in range(8):
+                one += [c * row_bytes + offset + i * chunk + b for b in range(chunk)]
+    block = torch.tensor(one, dtype=torch.int64)  # the first block of the group
+    return (block[None, :] + torch.arange(row_bytes // nbytes)[:, None] * nbytes).reshape(-1)
+
+
+def pack(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]:
+    """Row-major blocks as the kernels serve many rows from: interleaved by 8 rows (``ggml_type +
+    X8``), same shape and bytes. Left as they are where the rows are not a multiple of 8."""
+    if ggml_type >= X8 or blocks.shape[0] % 8:
+        return blocks, ggml_type
+    n, row_bytes = blocks.shape
+    order = _group_order(ggml_type, row_bytes)
+    groups = blocks.reshape(n // 8, 8 * row_bytes)
+    return groups.index_select(1, order).reshape(n, row_bytes), ggml_type + X8
+
+
+def unpack_rows(blocks: torch.Tensor, ggml_type: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``rows`` (all if None) of a block weight, row-major (ggml's layout)."""
+    if ggml_type < X8:
+        return blocks if rows is None else blocks[rows.reshape(-1).long()]
+    n, row_bytes = blocks.shape
+    ids = torch.arange(n) if rows is None else rows.reshape(-1).long()
+    inverse = torch.empty(8 * row_bytes, dtype=torch.int64)
+    inverse[_group_order(ggml_type, row_bytes)] = torch.arange(8 * row_bytes)  # byte of row c -> packed position
+    where = (ids // 8 * (8 * row_bytes))[:, None] + inverse.reshape(8, row_bytes)[ids % 8]
+    return blocks.reshape(-1)[where.reshape(-1)].reshape(len(ids), row_bytes)
 
 
 def quantize_q8(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -71,6 +128,8 @@ def dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int, rows: tor
     """Rows ``rows`` (all if None) of a block weight as float32 ``[n, in_features]``, the values ggml's
     de-quantization gives (the compiled kernel where built, else the ``gguf`` package's numpy code)."""
     k = _k()
+    if ggml_type >= X8:
+        blocks, rows, ggml_type = unpack_rows(blocks, ggml_type, rows), None, base_type(ggml_type)
     if k is not None:
         ids = torch.arange(blocks.shape[0]) if rows is None else rows.reshape(-1).long()
         return k.dequantize_rows(blocks, ggml_type, ids, in_features)
@@ -95,6 +154,8 @@ class BlockLinear(nn.Module):
                 blocks.shape[1] != in_features // values * nbytes:
             raise ValueError(f"{type_name(ggml_type)} blocks for {in_features} inputs must be uint8 "
                              f"[N, {in_features // values * nbytes}]; got {blocks.dtype} {list(blocks.shape)}")
+        if ggml_type >= X8 and blocks.shape[0] % 8:
+            raise ValueError(f"{type_name(ggml_type)} blocks come in groups of 8 rows; got {blocks.shape[0]} rows")
         self.blocks, self.ggml_type, self.in_features = blocks, int(ggml_type), in_features
         self.out_features = blocks.shape[0]
         self.block_bias = bias.detach().float().contiguous() if bias is not None else None
@@ -120,9 +181,12 @@ class BlockLinear(nn.Module):
         return dequantize(self.blocks, self.ggml_type, self.in_features, index).to(self.compute_dtype)
 
     def select(self, index: torch.Tensor) -> BlockLinear:
-        """A linear of the outputs ``index`` only (their blocks copied)."""
+        """A linear of the outputs ``index`` only (their blocks copied; interleaved where the original's are)."""
         bias = None if self.block_bias is None else self.block_bias[index]
-        return BlockLinear(self.blocks[index].contiguous(), self.ggml_type, self.in_features, bias, self.compute_dtype)
+        blocks, kind = unpack_rows(self.blocks, self.ggml_type, index).contiguous(), base_type(self.ggml_type)
+        if self.ggml_type >= X8:
+            blocks, kind = pack(blocks, kind)
+        return BlockLinear(blocks, kind, self.in_features, bias, self.compute_dtype)
 
     def _apply(self, fn, recurse: bool = True):  # .to(dtype) changes the serving dtype, never the blocks
         probe = fn(torch.empty(0, dtype=self.compute_dtype))

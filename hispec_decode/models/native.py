@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import HiSpecError
-from ..layers.quant import SERVED, BlockEmbedding, BlockLinear, block_shape, type_name
+from ..layers.quant import SERVED, BlockEmbedding, BlockLinear, block_shape, pack, type_name
 from .gguf_file import read_header
 from .registry import check_supported
 
@@ -152,8 +152,8 @@ def load_native(directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Modu
         module_name = name.removesuffix(".weight")
         parent, leaf = _parent(model, module_name)
         old = getattr(parent, leaf)
-        blocks = tensors.pop(name)
         values, nbytes = block_shape(kind)
+        blocks, kind = pack(tensors.pop(name), kind)  # interleaved by 8 rows, as the kernels serve many rows
         width = blocks.shape[1] // nbytes * values
         if module_name == embed_name:
             scale = getattr(old, "embed_scale", None)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import HiSpecError
-from ..layers.quant import SERVED, BlockEmbedding, BlockLinear
+from ..layers.quant import SERVED, BlockEmbedding, BlockLinear, pack
 
 ON_LOAD = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1"}
 
@@ -73,17 +73,17 @@ def quantize_model(model: nn.Module, precision: str, dtype: torch.dtype = torch.
     for parent in model.modules():
         for child_name, child in parent.named_children():
             if isinstance(child, nn.Linear) and child is not head and child.in_features % width == 0:
-                blocks = quantize_weight(child.weight, name)
-                swaps.append((parent, child_name, BlockLinear(blocks, kind, child.in_features, child.bias, dtype)))
+                blocks = pack(quantize_weight(child.weight, name), kind)  # interleaved where the rows allow
+                swaps.append((parent, child_name, BlockLinear(*blocks, child.in_features, child.bias, dtype)))
     table = None
     if isinstance(embedding, nn.Embedding) and embedding.embedding_dim % width == 0:
-        table = quantize_weight(embedding.weight, name)
+        table = pack(quantize_weight(embedding.weight, name), kind)
         scale = getattr(embedding, "embed_scale", None)
-        new = BlockEmbedding(table, kind, embedding.embedding_dim, None if scale is None else float(scale), dtype)
+        new = BlockEmbedding(*table, embedding.embedding_dim, None if scale is None else float(scale), dtype)
         model.set_input_embeddings(new)
     if isinstance(head, nn.Linear) and head.in_features % width == 0:
-        blocks = table if tied and table is not None else quantize_weight(head.weight, name)
-        model.set_output_embeddings(BlockLinear(blocks, kind, head.in_features, head.bias, dtype))
+        blocks = table if tied and table is not None else pack(quantize_weight(head.weight, name), kind)
+        model.set_output_embeddings(BlockLinear(*blocks, head.in_features, head.bias, dtype))
     for parent, child_name, new in swaps:
         setattr(parent, child_name, new)
     return model.to(dtype).eval().requires_grad_(False)

@@ -28,6 +28,7 @@
 #include <immintrin.h>
 
 #include "quant_blocks.h"
+#include "blocks_x8.h"
 #include "vec.h"
 
 namespace {
@@ -239,6 +240,47 @@ struct KDot {
   }
 };
 
+// Interleaved blocks (blocks_x8.h): 8 outputs at a time, rows in tiles of up to 4.
+template <int64_t TYPE>
+struct X8Dot {
+  static constexpr int64_t GROUP = TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K ? 256 : 32;
+  template <int MT> static void run(const uint8_t* g, int64_t nb, const XRows& x, int64_t m0, __m256* acc) {
+    const int64_t K = x.K;
+    const int8_t* q = x.q + m0 * K;
+    const float* d = x.d + m0 * (K / GROUP);
+    if constexpr (GROUP == 32) {
+      x8_dot32<TYPE, MT>(g, nb, q, d, static_cast<const float*>(x.sums) + m0 * (K / 32), K, acc);
+    } else {
+      const int16_t* bs = static_cast<const int16_t*>(x.sums) + m0 * (K / 16);
+      if constexpr (TYPE == Q6_K) x8_q6k<MT>(g, nb, q, d, bs, K, acc);
+      else x8_q45k<TYPE == Q5_K, MT>(g, nb, q, d, bs, K, acc);
+    }
+  }
+};
+
+template <class Dot, class T>
+void linear_x8(const XRows& xq, int64_t M, const uint8_t* W, int64_t row_bytes, int64_t N, int64_t nb,
+               const float* bias, T* Y) {
+  at::parallel_for(0, N / 8, 2, [&](int64_t begin, int64_t end) {
+    __m256 acc[4];
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* w = W + g * 8 * row_bytes;
+      const __m256 b = bias ? _mm256_loadu_ps(bias + 8 * g) : _mm256_setzero_ps();
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t mt = std::min<int64_t>(4, M - m0);
+        for (int r = 0; r < 4; ++r) acc[r] = _mm256_setzero_ps();
+        switch (mt) {
+          case 4: Dot::template run<4>(w, nb, xq, m0, acc); break;
+          case 3: Dot::template run<3>(w, nb, xq, m0, acc); break;
+          case 2: Dot::template run<2>(w, nb, xq, m0, acc); break;
+          default: Dot::template run<1>(w, nb, xq, m0, acc); break;
+        }
+        for (int64_t r = 0; r < mt; ++r) hispec::store8(Y + (m0 + r) * N + 8 * g, _mm256_add_ps(acc[r], b));
+      }
+    }
+  });
+}
+
 template <class Dot, class T>
 void linear_rows(const XRows& xq, int64_t M, const uint8_t* W, int64_t row_bytes, int64_t N, int64_t nb,
                  const float* bias, T* Y) {
@@ -261,16 +303,16 @@ void linear_rows(const XRows& xq, int64_t M, const uint8_t* W, int64_t row_bytes
   });
 }
 
-template <class Dot>
+template <class Dot, bool INTERLEAVED = false>
 void linear_with(const torch::Tensor& x, const torch::Tensor& w, int64_t qk, const float* bias, torch::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1);
-  if (x.scalar_type() == at::kBFloat16) {
-    const XRows xq = quantize_rows(x.data_ptr<at::BFloat16>(), M, K, Dot::GROUP);
-    linear_rows<Dot>(xq, M, w.data_ptr<uint8_t>(), w.size(1), w.size(0), K / qk, bias, y.data_ptr<at::BFloat16>());
-  } else {
-    const XRows xq = quantize_rows(x.data_ptr<float>(), M, K, Dot::GROUP);
-    linear_rows<Dot>(xq, M, w.data_ptr<uint8_t>(), w.size(1), w.size(0), K / qk, bias, y.data_ptr<float>());
-  }
+  auto run = [&](const auto* X, auto* Y) {
+    const XRows xq = quantize_rows(X, M, K, Dot::GROUP);
+    if constexpr (INTERLEAVED) linear_x8<Dot>(xq, M, w.data_ptr<uint8_t>(), w.size(1), w.size(0), K / qk, bias, Y);
+    else linear_rows<Dot>(xq, M, w.data_ptr<uint8_t>(), w.size(1), w.size(0), K / qk, bias, Y);
+  };
+  if (x.scalar_type() == at::kBFloat16) run(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
+  else run(x.data_ptr<float>(), y.data_ptr<float>());
 }
 
 template <class F>
@@ -315,8 +357,10 @@ void by_format(int64_t type, Fn&& fn) {
 
 void check_weight(const torch::Tensor& w, int64_t type, int64_t K, const char* name) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), name, ": a uint8 [N, row bytes] weight");
+  TORCH_CHECK(type < X8 || w.size(0) % 8 == 0, name, ": interleaved blocks come in groups of 8 rows; the weight has ",
+              w.size(0));
   int64_t qk = 0, bytes = 0;
-  by_format(type, [&](auto f) { qk = decltype(f)::QK; bytes = decltype(f)::BYTES; });
+  by_format(type % X8, [&](auto f) { qk = decltype(f)::QK; bytes = decltype(f)::BYTES; });
   TORCH_CHECK(K % qk == 0 && w.size(1) == K / qk * bytes, name, ": ", K, " inputs in ", qk, "-value blocks need ",
               K / qk * bytes, " bytes per row, the weight has ", w.size(1));
 }
@@ -347,6 +391,14 @@ torch::Tensor linear_q(const torch::Tensor& x, const torch::Tensor& w, int64_t t
     case Q5_0: linear_with<RowDot<Q5_0, 22>>(xc, w, 32, B, y); break;
     case Q5_1: linear_with<RowDot<Q5_1, 24>>(xc, w, 32, B, y); break;
     case Q8_0: linear_with<RowDot<Q8_0, 34>>(xc, w, 32, B, y); break;
+    case X8 + Q4_K: linear_with<X8Dot<Q4_K>, true>(xc, w, 256, B, y); break;
+    case X8 + Q5_K: linear_with<X8Dot<Q5_K>, true>(xc, w, 256, B, y); break;
+    case X8 + Q6_K: linear_with<X8Dot<Q6_K>, true>(xc, w, 256, B, y); break;
+    case X8 + Q4_0: linear_with<X8Dot<Q4_0>, true>(xc, w, 32, B, y); break;
+    case X8 + Q4_1: linear_with<X8Dot<Q4_1>, true>(xc, w, 32, B, y); break;
+    case X8 + Q5_0: linear_with<X8Dot<Q5_0>, true>(xc, w, 32, B, y); break;
+    case X8 + Q5_1: linear_with<X8Dot<Q5_1>, true>(xc, w, 32, B, y); break;
+    case X8 + Q8_0: linear_with<X8Dot<Q8_0>, true>(xc, w, 32, B, y); break;
     default: TORCH_CHECK(false, "linear_q: ggml type ", type, " is not served by the kernels");
   }
   return y;
@@ -354,6 +406,8 @@ torch::Tensor linear_q(const torch::Tensor& x, const torch::Tensor& w, int64_t t
 
 // rows ids of w as float32 [len(ids), K] (the weight's values, as ggml de-quantizes them)
 torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& ids, int64_t K) {
+  TORCH_CHECK(type < X8, "dequantize_rows: row-major blocks only (hispec_decode.layers.quant.unpack_rows reads "
+              "interleaved ones)");
   check_weight(w, type, K, "dequantize_rows");
   const auto idx = ids.to(at::kLong).contiguous();
   const int64_t n = idx.numel();
