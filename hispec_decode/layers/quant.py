@@ -31,9 +31,10 @@ K_FORMATS = frozenset({12, 13, 14})
 X8 = 256  # added to a ggml type: the blocks are interleaved by 8 rows (:func:`pack`)
 _NO_BIAS = torch.empty(0)
 
-# Each format's fields as (offset, bytes, chunk): pack puts a field's chunks of 8 rows side by side
-# (kernels/csrc/blocks_x8.h reads them): half-precision scales by 2 bytes, the K formats' packed
-# scales by 1, quants and high bits by 4.
+# Each format's fields as (offset, bytes, chunk), in the order an interleaved block holds them: pack puts
+# a field's chunks of 8 rows side by side (kernels/csrc/blocks_x8.h reads them): half-precision scales
+# by 2 bytes, the K formats' packed scales by 1, quants and high bits by 4. Q6_K's are ordered as the
+# kernel reads them (scales first, then each 128 inputs' quants and high bits), so a block streams.
 FIELDS: dict[int, tuple[tuple[int, int, int], ...]] = {
     2: ((0, 2, 2), (2, 16, 4)),
     3: ((0, 2, 2), (2, 2, 2), (4, 16, 4)),
@@ -42,7 +43,7 @@ FIELDS: dict[int, tuple[tuple[int, int, int], ...]] = {
     8: ((0, 2, 2), (2, 32, 4)),
     12: ((0, 2, 2), (2, 2, 2), (4, 12, 1), (16, 128, 4)),
     13: ((0, 2, 2), (2, 2, 2), (4, 12, 1), (16, 32, 4), (48, 128, 4)),
-    14: ((0, 128, 4), (128, 64, 4), (192, 16, 1), (208, 2, 2)),
+    14: ((208, 2, 2), (192, 16, 1), (0, 64, 4), (128, 32, 4), (64, 64, 4), (160, 32, 4)),
 }
 
 

@@ -163,45 +163,48 @@ inline void x8_q45k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* 
   }
 }
 
-// Q6_K: ql 32 chunks, qh 16 chunks, 16 planes of int8 scales, d [8 halves]
+// Q6_K: d [8 halves], 16 planes of int8 scales, then per 128 inputs (h): ql 16 chunks, qh 8 chunks
 template <int MT>
 inline void x8_q6k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D, const int16_t* BS, int64_t K,
                    __m256* acc) {
   const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), mask16 = _mm256_set1_epi32(0xFFFF);
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* b = g + blk * 8 * 210;
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 8 * 128;
-    const __m256 d = halves8(b + 8 * 208);
+    const __m256 d = halves8(b);
     __m256i sc[16], pair[8];  // sc[k]: scale k of row c as (s, s) in lane c; pair[i]: (s_2i, s_2i+1)
     for (int k = 0; k < 16; ++k) {
-      const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * 192 + 8 * k)));
+      const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 16 + 8 * k)));
       sc[k] = _mm256_or_si256(_mm256_and_si256(w, mask16), _mm256_slli_epi32(w, 16));
       if (k % 2) pair[k / 2] = _mm256_or_si256(_mm256_and_si256(sc[k - 1], mask16), _mm256_slli_epi32(w, 16));
     }
     __m256i iacc[MT];
     for (int r = 0; r < MT; ++r) iacc[r] = _mm256_setzero_si256();
     for (int h = 0; h < 2; ++h) {
-      for (int j = 0; j < 4; ++j) {  // inputs 128h + 32j + l: ql[64h + 32 (j & 1) + l], nibble j / 2, qh bits 2j
-        __m256i s16[MT];
-        for (int r = 0; r < MT; ++r) s16[r] = _mm256_setzero_si256();
-        for (int t = 0; t < 8; ++t) {
-          const __m256i L = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * (16 * h + 8 * (j & 1) + t)));
-          const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * (8 * h + t)));
-          const __m256i nib = j < 2 ? _mm256_and_si256(L, low) : _mm256_and_si256(_mm256_srli_epi16(L, 4), low);
-          const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(
-              _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * j)), three), 4));
+      const uint8_t* ql = b + 144 + 768 * h;  // this half's 64 bytes of ql per row, then its 32 of qh
+      const uint8_t* qh = ql + 512;
+      __m256i s16[MT][4];  // inputs 128h + 32j + l: ql[64h + 32 (j & 1) + l], nibble j / 2, qh bits 2j
+      for (int t = 0; t < 8; ++t) {
+        const __m256i L0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * t));
+        const __m256i L1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * (8 + t)));
+        const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * t));
+        const __m256i q[4] = {
+            _mm256_or_si256(_mm256_and_si256(L0, low), _mm256_slli_epi16(_mm256_and_si256(H, three), 4)),
+            _mm256_or_si256(_mm256_and_si256(L1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), three), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), low),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), three), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), low),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), three), 4)),
+        };
 #pragma GCC unroll 4
-          for (int r = 0; r < MT; ++r)
-            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(q, bcast4(Q + r * K + blk * 256 + 128 * h + 32 * j + 4 * t)));
-          if (t % 2) {  // 6-bit values: int16 holds 2 loads' sums
-            const __m256i s = sc[8 * h + 2 * j + t / 4];
-#pragma GCC unroll 4
-            for (int r = 0; r < MT; ++r) {
-              iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(s16[r], s));
-              s16[r] = _mm256_setzero_si256();
-            }
+        for (int r = 0; r < MT; ++r) {
+          const int8_t* x = Q + r * K + blk * 256 + 128 * h + 4 * t;
+          for (int j = 0; j < 4; ++j) {
+            const __m256i p = _mm256_maddubs_epi16(q[j], bcast4(x + 32 * j));
+            s16[r][j] = t % 2 ? _mm256_add_epi16(s16[r][j], p) : p;
           }
+          if (t % 2)  // 6-bit values: int16 holds 2 loads' sums
+            for (int j = 0; j < 4; ++j)
+              iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(s16[r][j], sc[8 * h + 2 * j + t / 4]));
         }
       }
     }
