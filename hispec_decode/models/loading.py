@@ -27,7 +27,7 @@ from ..errors import HiSpecError
 from ..hub import check_fetchable
 from .cache_dir import CACHE_MARKER, cache_complete, cached_conversion, hispec_home
 from .gguf_file import read_header
-from .native import copy_tokenizer, load_native, prepare_native
+from .native import LAYOUT as NATIVE_LAYOUT, copy_tokenizer, load_native, prepare_native
 from .quantize import ON_LOAD, quantize_model
 from .registry import check_supported
 
@@ -170,7 +170,7 @@ def packaged_base_dir(base: PackagedBase = DEFAULT_BASE) -> Path:
 
 
 def _native_target(base: PackagedBase) -> Path:
-    return hispec_home() / "models" / f"{base.cache_name}-native"
+    return hispec_home() / "models" / f"{base.cache_name}-native-{NATIVE_LAYOUT}"
 
 
 def packaged_native_dir(base: PackagedBase = DEFAULT_BASE) -> Path:
@@ -195,7 +195,7 @@ def gguf_native_dir(path: Path) -> Path:
     by the file's stem and a digest of its size and first and last MiB (a changed file is prepared again)."""
     read_header(path)  # a cut or unknown-format file fails here, before any work
     size = path.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
+    digest = hashlib.sha256(f"{size} {NATIVE_LAYOUT}".encode())
     with open(path, "rb") as f:
         digest.update(f.read(1 << 20))
         f.seek(max(0, size - (1 << 20)))

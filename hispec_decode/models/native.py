@@ -6,7 +6,8 @@ reader), and writes one safetensors file:
 
 - every 2-d weight in a served block format (:data:`hispec_decode.layers.quant.SERVED`) as its
   blocks, uint8 ``[N, row bytes]``, under the transformers parameter name; rows reordered where
-  llama.cpp's conversion reordered them (Llama's q/k heads), which moves whole rows of blocks;
+  llama.cpp's conversion reordered them (Llama's q/k heads), which moves whole rows of blocks; then
+  interleaved by 8 rows (:func:`~hispec_decode.layers.quant.pack`) where N is a multiple of 8;
 - every other tensor (norms, biases, float weights) de-quantized to float32, with transformers' own
   processing (Gemma's norms less 1);
 - the ggml type of each block tensor in the file's metadata.
@@ -36,6 +37,7 @@ from .registry import check_supported
 logger = logging.getLogger(__name__)
 
 WEIGHTS = "blocks.safetensors"
+LAYOUT = "x8"  # the prepared blocks' layout, part of the cache directories' names: another layout is prepared again
 TOKENIZER_COPY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")  # every file a tokenizer saves
 FLOAT_TYPES = frozenset({0, 1, 30})  # ggml's F32, F16, BF16: de-quantized to float32
@@ -105,8 +107,8 @@ def prepare_native(gguf: Path, target: Path, converted: Path | None = None) -> N
         if kind in SERVED.values() and len(t.shape) == 2:
             blocks = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # rows of the file's blocks
             order = _row_order(processor, t.name, blocks.shape[0])
-            tensors[hf] = torch.from_numpy(np.array(blocks if order is None else blocks[order]))  # a writable copy
-            types[hf] = kind
+            rows = torch.from_numpy(np.array(blocks if order is None else blocks[order]))  # a writable copy
+            tensors[hf], types[hf] = pack(rows, kind)
         else:
             values = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name, tensor_key_mapping=names,
                                        parsed_parameters={}).weights
@@ -153,7 +155,7 @@ def load_native(directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Modu
         parent, leaf = _parent(model, module_name)
         old = getattr(parent, leaf)
         values, nbytes = block_shape(kind)
-        blocks, kind = pack(tensors.pop(name), kind)  # interleaved by 8 rows, as the kernels serve many rows
+        blocks, kind = pack(tensors.pop(name), kind)  # (prepared interleaved; a no-op then)
         width = blocks.shape[1] // nbytes * values
         if module_name == embed_name:
             scale = getattr(old, "embed_scale", None)
