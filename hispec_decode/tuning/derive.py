@@ -35,6 +35,7 @@ from ..decoding.policy import DEFAULT_DRAFT_FRACTION, Policy
 from ..engine.chooser import arm_policies
 from ..files import write_text
 from ..models.loading import hispec_home
+from ..models.native import LAYOUT as NATIVE_LAYOUT
 from . import background
 from .calibration import calibration_id, load_calibration, record_calibration
 from .candidates import SPECULATION_OFF, Candidate, batch_thresholds, policy_dict, predict
@@ -349,8 +350,9 @@ def _about(model: Any, calibration: str) -> dict[str, Any]:
 
 
 def _precision(model: Any) -> Any:
-    """What a record is kept per: ``native`` (GGUF blocks) or the torch dtype."""
-    return model.decoder.precision if model.decoder.native else model.decoder.dtype
+    """What a record is kept per: the torch dtype, or for GGUF blocks their precision and layout
+    (``native-x8``: costs measured on another layout are measured again)."""
+    return f"{model.decoder.precision}-{NATIVE_LAYOUT}" if model.decoder.native else model.decoder.dtype
 
 
 def _derive_and_store(model: Any, path: Path) -> dict[str, Any]:
