@@ -4,12 +4,14 @@ Glossary and shapes:
 
 - ``blocks``: uint8 ``[N, K / QK * BYTES]``, the file's blocks of output row ``n`` side by side
   (``QK`` values of ``BYTES`` bytes per block: ggml's layout, e.g. Q4_K 256 / 144).
-- ``ggml_type``: the block format's ggml id (:data:`SERVED`).
+- ``ggml_type``: the block format's ggml id (:data:`SERVED`); plus :data:`X8` where the blocks are
+  interleaved by 8 rows (:func:`pack`: a byte permutation within each group of 8 rows, same shape,
+  which the kernels serve many rows from; :func:`unpack_rows` reads ggml's rows back).
 - activations: the kernel quantizes every row of ``x`` to 8 bits per ``G`` inputs
   (:func:`activation_group`: 32 for the 32-value formats, 256 for the K formats), as llama.cpp
   does; :func:`quantize_q8` is the same arithmetic in torch. Outputs are in ``x``'s dtype.
 
-The compiled kernel (``linear_q``, :mod:`hispec_decode.kernels`) computes each output row alone, in a
+The compiled kernel (``linear_q``, :mod:`hispec_decode.kernels`) computes each output alone, in a
 fixed order, so every method decodes the same bits as plain decoding of the same weights. Without
 the kernels (``HISPEC_KERNELS=0``, a CPU without AVX2) the torch fallback de-quantizes each weight
 once to float32 (four times the file's bytes) and multiplies the 8-bit activations in float32.
