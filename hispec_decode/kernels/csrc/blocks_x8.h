@@ -167,7 +167,7 @@ inline void x8_q45k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* 
 template <int MT>
 inline void x8_q6k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D, const int16_t* BS, int64_t K,
                    __m256* acc) {
-  const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), mask16 = _mm256_set1_epi32(0xFFFF);
+  const __m256i mask16 = _mm256_set1_epi32(0xFFFF);
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* b = g + blk * 8 * 210;
     const __m256 d = halves8(b);
@@ -187,14 +187,8 @@ inline void x8_q6k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D
         const __m256i L0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * t));
         const __m256i L1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * (8 + t)));
         const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * t));
-        const __m256i q[4] = {
-            _mm256_or_si256(_mm256_and_si256(L0, low), _mm256_slli_epi16(_mm256_and_si256(H, three), 4)),
-            _mm256_or_si256(_mm256_and_si256(L1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), three), 4)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), low),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), three), 4)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), low),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), three), 4)),
-        };
+        __m256i q[4];
+        q6_values(L0, L1, H, q);
 #pragma GCC unroll 4
         for (int r = 0; r < MT; ++r) {
           const int8_t* x = Q + r * K + blk * 256 + 128 * h + 4 * t;

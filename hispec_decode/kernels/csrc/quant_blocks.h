@@ -130,13 +130,24 @@ struct FQ5_K {  // d, dmin, scales[12], qh[32], qs[128]
   }
 };
 
+// Q6_K: 32 positions l of 4 groups j (inputs 32j + l of a 128-input half) from ql[l], ql[32 + l] (l0, l1)
+// and qh[l] (h): the low or high nibble of ql, bits 2j and 2j + 1 of qh above it (unsigned, 0 .. 63)
+inline void q6_values(__m256i l0, __m256i l1, __m256i h, __m256i q[4]) {
+  const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  q[0] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
+  q[1] = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4));
+}
+
 struct FQ6_K {  // ql[128], qh[64], int8 scales[16], d
   static constexpr int64_t QK = 256, BYTES = 210;
   static constexpr bool SIGNED = false;
   template <class F> static inline void visit(const uint8_t* b, F&& f) {
     const float d = half(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
     for (int half128 = 0; half128 < 2; ++half128) {
       const uint8_t* ql = b + 64 * half128;
       const uint8_t* qhp = b + 128 + 32 * half128;
@@ -144,14 +155,8 @@ struct FQ6_K {  // ql[128], qh[64], int8 scales[16], d
       const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
       const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
       const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qhp));
-      const __m256i q[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, three), 4)),
-          _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4)),
-      };
+      __m256i q[4];
+      q6_values(l0, l1, h, q);
       for (int j = 0; j < 4; ++j) {
         Sub s; s.q = q[j]; s.a = d; s.o = 32; s.s_lo = s8[2 * j]; s.s_hi = s8[2 * j + 1];
         f(4 * half128 + j, s);
