@@ -6,8 +6,9 @@
 #   MODEL=gemma3 nohup scripts/default_heads.sh > runs/default_heads_gemma3.log 2>&1 &  (Gemma-3-270M)
 #   MODEL=smollm2-feature ...                         (SmolLM2's feature_attention heads, docs/feature-heads.md)
 #   MODEL=qwen-coder ...                              (Qwen2.5-Coder-0.5B-Instruct, on code requests)
+#   MODEL=qwen-coder-1.5b ...                         (Qwen2.5-Coder-1.5B-Instruct on its native Q4_K_M blocks)
 # Stages write under runs/ (ignored by git); the data set is kept in data/ and committed.
-# Env: MODEL (smollm2, smollm2-feature, gemma3 or qwen-coder), TOKENS (answer tokens), STEPS (training steps), OUT (adapter dir).
+# Env: MODEL (smollm2, smollm2-feature, gemma3, qwen-coder or qwen-coder-1.5b), TOKENS (answer tokens), STEPS (training steps), OUT (adapter dir).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_setup.sh
@@ -30,8 +31,14 @@ case "$MODEL" in
     BASE=(--base qwen2.5-coder-0.5b); PROMPTS=sharegpt-code,humaneval; NEW=384; LAYERS=2,4,6,9,12
     RUN=qwen2.5-coder-0.5b; TUNE_PROMPTS=code; EXTRA_RUN=; EXTRA_ARGS=()
     TOKENS=${TOKENS:-600000}; STEPS=${STEPS:-500} ;;
-  *) echo "MODEL must be smollm2, smollm2-feature, gemma3 or qwen-coder" >&2; exit 2 ;;
+  qwen-coder-1.5b)  # the same prompts; the base decodes its GGUF blocks (the default), 16 answers at a time
+    BASE=(--base qwen2.5-coder-1.5b); PROMPTS=sharegpt-code,humaneval; NEW=384; LAYERS=2,4,7,10,14
+    RUN=qwen2.5-coder-1.5b; TUNE_PROMPTS=code; EXTRA_RUN=; EXTRA_ARGS=()
+    SELFDISTILL=(--dtype native --batch-size 16 --shard-records 256 --shard-seconds 300)
+    TOKENS=${TOKENS:-600000}; STEPS=${STEPS:-500} ;;
+  *) echo "MODEL must be smollm2, smollm2-feature, gemma3, qwen-coder or qwen-coder-1.5b" >&2; exit 2 ;;
 esac
+[ -n "${SELFDISTILL+x}" ] || SELFDISTILL=(--batch-size 48 --shard-records 128 --shard-seconds 240)
 DATA=data/selfdistill-$MODEL
 STORE=store-$MODEL
 OUT=${OUT:-runs/heads-$MODEL}
@@ -40,7 +47,7 @@ stamp() { echo "=== $(date +%H:%M:%S) $*"; }
 stamp "self-distilled data: $TOKENS answer tokens ($DATA)"
 resume=(); [ -f "$DATA/hispec_selfdistill.json" ] && resume=(--resume)
 hispec-selfdistill "${BASE[@]}" --prompts "$PROMPTS" --out "$DATA" --max-tokens "$TOKENS" --max-new-tokens "$NEW" \
-  --batch-size 48 --shard-records 128 --shard-seconds 240 "${resume[@]}"
+  "${SELFDISTILL[@]}" "${resume[@]}"
 
 # runs/<stage>.done holds the data size a finished stage was built from; runs/<stage>.building the size of
 # the one in progress (an interrupted stage of the same size resumes, anything else starts again)

@@ -324,7 +324,7 @@ def test_every_recipe_validates():
         cfg = load_config(recipe, {})
         # the layer curve's heads at every second layer; the feature-head recipe trains the draft exit only;
         # Gemma-3-270M's and Qwen2.5-Coder's train several candidate exits (the tuner pairs them; their layer curve)
-        candidates = {"gemma3-270m": 4, "qwen2.5-coder-0.5b": 5}
+        candidates = {"gemma3-270m": 4, "qwen2.5-coder-0.5b": 5, "qwen2.5-coder-1.5b": 5}
         expected = (14 if recipe.stem.endswith("-curve") else 1 if recipe.stem.endswith("-feature")
                     else candidates.get(recipe.stem, 2))
         assert len(cfg.heads_layers) == expected, recipe.stem
