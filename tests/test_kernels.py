@@ -281,3 +281,17 @@ def test_kernels_switched_off_say_so():
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "None"
     assert "hispec kernels: off (HISPEC_KERNELS=0)" in out.stderr
+
+
+def test_bf16_linears_without_the_kernels_run_where_onednn_lacks_bf16(monkeypatch):
+    """An AVX2 CPU without the compiled kernels: oneDNN cannot pack bf16 there, so the fused linear
+    multiplies the bf16 weight unpacked (it used to fail in oneDNN's reorder)."""
+    from hispec_decode.layers import linear as linear_module
+
+    monkeypatch.setattr(linear_module, "_mkldnn_bf16", lambda: False)
+    lin = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
+    assert not linear_module.can_pack(lin.weight)
+    with kernels.disabled():
+        fused = linear_module.FusedLinear([lin])
+        x = torch.randn(3, 64, dtype=torch.bfloat16)
+        assert not fused.packed and torch.equal(fused(x), F.linear(x, lin.weight, lin.bias))

@@ -75,12 +75,20 @@ def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 
 def can_pack(weight: torch.Tensor) -> bool:
+    """oneDNN can hold ``weight`` packed (bf16 only where oneDNN has bf16 kernels for this CPU: AVX-512
+    or AVX-NE-CONVERT; an AVX2 CPU without the compiled kernels multiplies bf16 unpacked)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (weight.dtype == torch.float32 or _mkldnn_bf16())
     )
+
+
+def _mkldnn_bf16() -> bool:
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else True
 
 
 def in_row_chunks(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, rows: int) -> torch.Tensor:
