@@ -75,18 +75,16 @@ def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN can hold ``weight`` packed (bf16 only where oneDNN has bf16 kernels for this CPU: AVX-512
-    or AVX-NE-CONVERT; an AVX2 CPU without the compiled kernels multiplies bf16 unpacked)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and (weight.dtype == torch.float32 or _mkldnn_bf16())
     )
 
 
 def _mkldnn_bf16() -> bool:
+    """oneDNN has bf16 kernels for this CPU (AVX-512 or AVX-NE-CONVERT; not an AVX2 CPU)."""
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(probe()) if probe is not None else True
 
@@ -131,7 +129,9 @@ class FusedLinear:
         weights = [lin.weight.detach() for lin in linears]
         has_bias = any(lin.bias is not None for lin in linears)
         biases = [lin.bias.detach() if lin.bias is not None else w.new_zeros(w.shape[0]) for lin, w in zip(linears, weights)]
-        self.packed = pack and can_pack(weights[0])
+        # bf16 packs for the compiled VNNI kernel, or for oneDNN where it has bf16 kernels for this CPU
+        self.packed = pack and can_pack(weights[0]) and (
+            weights[0].dtype == torch.float32 or kernels.has_linear_bf16() or _mkldnn_bf16())
         if self.packed and weights[0].dtype == torch.bfloat16 and kernels.has_linear_bf16():
             self.amx = kernels.has_amx()
             weight = torch.cat(weights) if len(weights) > 1 else weights[0]
