@@ -20,6 +20,7 @@ once to float32 (four times the file's bytes) and multiplies the 8-bit activatio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -71,9 +72,10 @@ def activation_group(ggml_type: int) -> int:
     return 256 if base_type(ggml_type) in K_FORMATS else 32
 
 
+@lru_cache(maxsize=64)
 def _group_order(ggml_type: int, row_bytes: int) -> torch.Tensor:
-    """int64 [8 * row_bytes]: position p of an interleaved group of 8 rows holds byte ``order[p]`` of
-    the 8 rows side by side (row c's byte i at ``c * row_bytes + i``)."""
+    """int64 [8 * row_bytes] (shared: not to be written): position p of an interleaved group of 8 rows
+    holds byte ``order[p]`` of the 8 rows side by side (row c's byte i at ``c * row_bytes + i``)."""
     _, nbytes = block_shape(ggml_type)
     one = []
     for offset, size, chunk in FIELDS[base_type(ggml_type)]:
@@ -90,7 +92,7 @@ def pack(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]:
     if ggml_type >= X8 or blocks.shape[0] % 8:
         return blocks, ggml_type
     n, row_bytes = blocks.shape
-    order = _group_order(ggml_type, row_bytes)
+    order = _group_order(base_type(ggml_type), row_bytes)
     groups = blocks.reshape(n // 8, 8 * row_bytes)
     return groups.index_select(1, order).reshape(n, row_bytes), ggml_type + X8
 
@@ -101,10 +103,16 @@ def unpack_rows(blocks: torch.Tensor, ggml_type: int, rows: torch.Tensor | None 
         return blocks if rows is None else blocks[rows.reshape(-1).long()]
     n, row_bytes = blocks.shape
     ids = torch.arange(n) if rows is None else rows.reshape(-1).long()
-    inverse = torch.empty(8 * row_bytes, dtype=torch.int64)
-    inverse[_group_order(ggml_type, row_bytes)] = torch.arange(8 * row_bytes)  # byte of row c -> packed position
-    where = (ids // 8 * (8 * row_bytes))[:, None] + inverse.reshape(8, row_bytes)[ids % 8]
+    where = (ids // 8 * (8 * row_bytes))[:, None] + _row_positions(base_type(ggml_type), row_bytes)[ids % 8]
     return blocks.reshape(-1)[where.reshape(-1)].reshape(len(ids), row_bytes)
+
+
+@lru_cache(maxsize=64)
+def _row_positions(ggml_type: int, row_bytes: int) -> torch.Tensor:
+    """int64 [8, row_bytes] (shared: not to be written): where row c's byte i sits in its interleaved group."""
+    inverse = torch.empty(8 * row_bytes, dtype=torch.int64)
+    inverse[_group_order(ggml_type, row_bytes)] = torch.arange(8 * row_bytes)
+    return inverse.reshape(8, row_bytes)
 
 
 def quantize_q8(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -154,8 +154,8 @@ def load_native(directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Modu
         module_name = name.removesuffix(".weight")
         parent, leaf = _parent(model, module_name)
         old = getattr(parent, leaf)
+        blocks = tensors.pop(name)  # interleaved by prepare_native where its rows allow
         values, nbytes = block_shape(kind)
-        blocks, kind = pack(tensors.pop(name), kind)  # (prepared interleaved; a no-op then)
         width = blocks.shape[1] // nbytes * values
         if module_name == embed_name:
             scale = getattr(old, "embed_scale", None)
