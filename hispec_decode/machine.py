@@ -48,6 +48,22 @@ def cpu_features() -> dict[str, bool]:
     return {f: f in flags for f in FEATURES}
 
 
+def mkldnn_bf16() -> bool:
+    """oneDNN has bf16 kernels for this CPU (AVX-512 BF16, AMX or AVX-NE-CONVERT; not an AVX2 CPU)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else True
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype to run torch's own matrix products in for weights of ``dtype`` on ``device``: float32
+    for bf16 on a CPU without oneDNN bf16 kernels, where torch emulates bf16 matmuls (several times
+    slower than float32 forward, tens of times backward); ``dtype`` otherwise. Bf16 weights widened
+    to float32 keep their values; only intermediate results are rounded less."""
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not mkldnn_bf16():
+        return torch.float32
+    return dtype
+
+
 def device_name(device: torch.device | str = "cpu") -> str:
     """The processor a model on ``device`` runs on: the CPU's model name, or the GPU's."""
     device = torch.device(device)

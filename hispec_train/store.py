@@ -248,6 +248,7 @@ def build_store(cfg: StoreConfig) -> StoreManifest:
     Everything (arguments, the data set, ``--out``, the base, the shards already written) is checked
     before ``--overwrite`` removes the old store or anything is written."""
     from hispec_decode.adapter.fingerprint import compute_fingerprint, fingerprints_match
+    from hispec_decode.machine import compute_dtype
     from hispec_decode.models import decoder_for, load_base
 
     keep_freed_memory()  # the base's long-sequence temporaries are reused, not page-faulted anew
@@ -293,6 +294,10 @@ def build_store(cfg: StoreConfig) -> StoreManifest:
     if cfg.overwrite:  # only now that everything checked out
         remove_tree(out)
     out.mkdir(parents=True, exist_ok=True)
+    if compute_dtype(dtype, decoder.device) != dtype:  # emulated bf16 matmuls: the same weights, widened
+        logger.info("this CPU has no bf16 matrix kernels: the base runs in float32 (its %s weights widened) and "
+                    "the states are stored in %s", cfg.dtype, cfg.dtype)
+        loaded.model.float()
     inner = getattr(loaded.model, loaded.model.base_model_prefix)
     total = sum(len(seqs[i]) for split in SPLITS for shard in plan[split] for i in shard)
 

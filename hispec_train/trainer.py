@@ -24,6 +24,7 @@ from hispec_decode.adapter import ExitSpec, HiSpecAdapter
 from hispec_decode.adapter.fingerprint import compute_fingerprint
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import check_writable, remove_tree, write_text
+from hispec_decode.machine import compute_dtype
 from hispec_decode.models.exit_heads import BaseExitHead
 from hispec_decode.models import DecoderModel, decoder_for, load_base
 
@@ -227,6 +228,11 @@ def train(cfg: TrainConfig) -> Path:
         loaded = load_base(cfg.base, cfg.base_dtype)
     check_whole(loaded.model)
     model = loaded.model if stage == 3 else loaded.model.to(accelerator.device)  # ZeRO-3 partitions it on the host
+    base_dtype = next(model.parameters()).dtype
+    if stage != 3 and compute_dtype(base_dtype, accelerator.device) != base_dtype:  # emulated bf16 matmuls
+        logger.info("this CPU has no bf16 matrix kernels: the frozen base runs in float32 (its %s weights widened)",
+                    cfg.base_dtype)
+        model.float()
     decoder = decoder_for(model, pack_weights=False)
     cfg.check_layers(decoder.num_layers)
     inner = getattr(model, model.base_model_prefix)

@@ -113,6 +113,38 @@ def test_store_holds_the_base_states_of_every_sequence(store, distilled, trainab
         torch.testing.assert_close(shard["final"][offsets[i] : offsets[i + 1]], ref.final[0], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("has_bf16", [True, False])
+def test_bf16_runs_in_float32_only_where_the_cpu_emulates_it(has_bf16, monkeypatch):
+    from hispec_decode import machine
+
+    monkeypatch.setattr(machine, "mkldnn_bf16", lambda: has_bf16)
+    assert machine.compute_dtype(torch.bfloat16, "cpu") == (torch.bfloat16 if has_bf16 else torch.float32)
+    assert machine.compute_dtype(torch.float32, "cpu") == torch.float32
+    assert machine.compute_dtype(torch.float16, "cpu") == torch.float16
+
+
+def test_a_bf16_store_without_bf16_kernels_holds_the_widened_forward(distilled, trainable_base, tmp_path, monkeypatch):
+    """Where torch would emulate bf16 matmuls the store runs the bf16 weights widened to float32 and stores
+    its states in bf16: the float32 forward of the bf16 weights, rounded once."""
+    from hispec_decode import machine
+
+    monkeypatch.setattr(machine, "mkldnn_bf16", lambda: False)
+    out = tmp_path / "features"
+    build_store(StoreConfig(str(distilled), str(out), [2], base=str(trainable_base), dtype="bfloat16",
+                            eval_sequences=2, shard_tokens=300, batch_tokens=200, max_tokens=300))
+    manifest = StoreManifest.load(out)
+    assert manifest.dtype == "bfloat16"
+    shard = load_file(str(out / manifest.shards["train"][0]["file"]))
+    assert shard["hidden.2"].dtype == shard["final"].dtype == torch.bfloat16
+    widened = load_base(str(trainable_base), "bfloat16").model.float()
+    ids = shard["input_ids"][: int(shard["offsets"][1])].long()[None]
+    ref = base_forward(widened.model, ids, [2])
+    n = ids.shape[1]
+    # rounded once to bf16 (a batched forward may differ from this one's float32 in the last bits)
+    torch.testing.assert_close(shard["hidden.2"][:n].float(), ref.hidden[0][0], atol=1e-5, rtol=2**-8)
+    torch.testing.assert_close(shard["final"][:n].float(), ref.final[0], atol=1e-5, rtol=2**-8)
+
+
 def test_store_resume_rewrites_only_missing_shards(store, distilled, trainable_base, tmp_path):
     copy = tmp_path / "features"
     import shutil

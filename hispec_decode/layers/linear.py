@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..machine import mkldnn_bf16 as _mkldnn_bf16
 from . import quant
 
 _NO_BIAS = torch.empty(0)
@@ -81,12 +82,6 @@ def can_pack(weight: torch.Tensor) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
-
-
-def _mkldnn_bf16() -> bool:
-    """oneDNN has bf16 kernels for this CPU (AVX-512 or AVX-NE-CONVERT; not an AVX2 CPU)."""
-    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(probe()) if probe is not None else True
 
 
 def in_row_chunks(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, rows: int) -> torch.Tensor:
