@@ -271,6 +271,20 @@ def test_the_lock_of_the_load_that_builds_is_its_own(tmp_path, monkeypatch, capl
     assert watch.cleared and not lock.exists()
 
 
+def test_a_build_whose_lock_another_load_removed_still_loads(tmp_path, caplog):
+    """A build that outlived STALE_LOCK_SECONDS (a loaded machine) finds its lock removed by a load that
+    waited on it: releasing it is not an error, so the build it finished is used, not the torch fallbacks."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    lock = tmp_path / "lock"
+    with caplog.at_level("WARNING"), kernels._LockWatch(tmp_path):
+        baton = cpp_extension.FileBaton(str(lock))
+        assert baton.try_acquire()
+        lock.unlink()  # what the other load's _clear_stale_lock does
+        baton.release()
+    assert "removed as stale by another load" in caplog.text
+
+
 def test_kernels_switched_off_say_so():
     import os
     import subprocess

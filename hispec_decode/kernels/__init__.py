@@ -136,6 +136,13 @@ class _LockWatch:
                 watch.building = super().try_acquire() or watch.building
                 return watch.building
 
+            def release(self) -> None:  # a load that waited past STALE_LOCK_SECONDS removed it: the build is done
+                try:
+                    super().release()
+                except FileNotFoundError:
+                    logger.warning("hispec kernels: the build lock was removed as stale by another load while this "
+                                   "build ran")
+
         cpp_extension.FileBaton = Baton
         self._thread.start()
         return self
