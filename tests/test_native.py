@@ -355,3 +355,18 @@ def test_q4_k_quantized_on_load_reads_back_through_the_oracle():
         y = BlockWeight(torch.from_numpy(blocks), SERVED["Q4_K"])(x)
         reference = quantize_q8(x, 256).double() @ back.double().T
         assert ((y.double() - reference).abs().max() / reference.abs().max()).item() < RELATIVE_TOLERANCE
+
+
+def test_preparing_a_layout_removes_the_caches_of_older_layouts(tmp_path, monkeypatch):
+    from hispec_decode.models.loading import PACKAGED_BASES, _native_target, remove_other_layouts
+
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
+    base = PACKAGED_BASES["smollm2-135m"]
+    models = tmp_path / "models"
+    keep = _native_target(base)
+    kept = [keep, models / base.cache_name, models / f"{base.cache_name}-nativeish", models / f".{base.cache_name}-native-tmp"]
+    old = [models / f"{base.cache_name}-native", models / f"{base.cache_name}-native-x4"]
+    for d in kept + old:
+        (d / "sub").mkdir(parents=True)
+    assert sorted(remove_other_layouts(base)) == sorted(old)
+    assert all(d.exists() for d in kept) and not any(d.exists() for d in old)

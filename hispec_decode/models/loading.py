@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from ..errors import HiSpecError
+from ..files import remove_tree
 from ..hub import check_fetchable
 from .cache_dir import CACHE_MARKER, cache_complete, cached_conversion, hispec_home
 from .gguf_file import read_header
@@ -185,9 +186,24 @@ def packaged_native_dir(base: PackagedBase = DEFAULT_BASE) -> Path:
         if gguf.parent == directory:
             gguf.unlink()  # an assembled GGUF: only the prepared blocks are kept
 
-    if not cache_complete(target):
-        logger.info("preparing %s (%s) for native decoding in %s (once)", base.alias, base.gguf_file, target)
-    return cached_conversion(target, prepare)
+    if cache_complete(target):
+        return target
+    logger.info("preparing %s (%s) for native decoding in %s (once)", base.alias, base.gguf_file, target)
+    cached_conversion(target, prepare)
+    remove_other_layouts(base)
+    return target
+
+
+def remove_other_layouts(base: PackagedBase) -> list[Path]:
+    """Delete ``base``'s native caches in another blocks layout (``<name>-native``, ``<name>-native-<layout>``:
+    what an older version prepared; nothing reads them again). Returns what it deleted."""
+    keep, prefix = _native_target(base), f"{base.cache_name}-native"
+    gone = [d for d in keep.parent.glob(f"{prefix}*") if d != keep and d.is_dir()
+            and (d.name == prefix or d.name.startswith(prefix + "-"))]
+    for d in gone:
+        logger.info("removing %s: a native cache in another layout than %s", d, NATIVE_LAYOUT)
+        remove_tree(d)
+    return gone
 
 
 def gguf_native_dir(path: Path) -> Path:
