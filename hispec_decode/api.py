@@ -69,10 +69,10 @@ class HiSpecModel:
 
     def machine_record(self) -> dict[str, Any]:
         """This machine's ``policies``, pass ``costs`` and arms' predicted speeds (``arms``) for this model:
-        tuned or derived here (:func:`hispec_decode.tuning.derive.machine_record`: the first call on a new
+        tuned or derived here (:func:`hispec_decode.tuning.record.machine_record`: the first call on a new
         machine measures its pass costs, seconds); empty where there is none."""
         if self._machine is None:
-            from .tuning.derive import machine_record
+            from .tuning.record import machine_record
 
             self._machine = {}  # deriving decodes with explicit policies: no re-entry
             self._machine = machine_record(self) or {}

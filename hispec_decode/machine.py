@@ -3,7 +3,7 @@
 Speed depends on the machine far more than on anything an adapter holds: whether a bf16 linear
 runs on AMX tiles, an AVX-512 BF16 loop or an AVX2 loop decides what a pass over several rows
 costs, and so which policy pays. Every benchmark result records :func:`describe`, and measured
-pass costs are cached under :func:`key` (hispec_decode.tuning.derive.machine_record).
+pass costs are cached under :func:`key` (hispec_decode.tuning.record.machine_record).
 """
 
 from __future__ import annotations

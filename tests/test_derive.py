@@ -12,7 +12,7 @@ import torch
 from hispec_decode import AdapterError, HiSpecAdapter, HiSpecModel
 from hispec_decode.adapter import ExitSpec
 from hispec_decode.adapter.config import CALIBRATION_NAME
-from hispec_decode.tuning import derive
+from hispec_decode.tuning import derive, record
 from hispec_decode.tuning.calibration import load_calibration, record_calibration, save_calibration
 
 PROMPTS = [[5, 9, 2, 6], [1, 2, 3, 4, 5, 6, 7, 8], [40, 41]]
@@ -74,7 +74,7 @@ def test_a_machine_tuned_policy_wins_over_a_derived_one(calibrated, trainable_ba
     model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
     tuned = {"draft_layer": 2, "verify_layer": 4, "window": 3, "num_draft": 2, "draft_threshold": 0.25,
              "verify_threshold": 0.0, "tree": "chain", "tree_nodes": 8, "tree_width": 4}
-    derive.store(derive.policy_path(model), {"source": "tuned", "policies": {"hispec": tuned, "self_spec": tuned}})
+    record.store(record.policy_path(model), {"source": "tuned", "policies": {"hispec": tuned, "self_spec": tuned}})
     policy = model.policy(method="hispec")
     assert (policy.window, policy.num_draft, policy.draft_threshold) == (3, 2, 0.25)
     assert model.policy(method="hispec", window=1).window == 1  # explicit arguments still win
@@ -158,7 +158,7 @@ def test_machine_policies_of_equal_heads_on_other_bases_are_kept_apart(tiny_mode
     for base in (str(tiny_models["llama"].path), str(tiny_models["qwen2"].path)):
         model = HiSpecModel.from_pretrained(base)
         adapter = HiSpecAdapter.create(model.decoder, base, [ExitSpec(1, "draft", "norm")])
-        ids.add(derive.adapter_id(adapter))
+        ids.add(record.adapter_id(adapter))
     assert len(ids) == 2
 
 
@@ -237,7 +237,7 @@ def test_a_failed_derivation_decodes_with_the_shipped_policy(calibrated, trainab
         raise IndexError("invalid index to scalar variable.")
 
     monkeypatch.setattr(derive, "derive", broken)
-    with caplog.at_level("WARNING", logger="hispec_decode.tuning.derive"):
+    with caplog.at_level("WARNING", logger="hispec_decode.tuning.record"):
         policy = model.policy(method="hispec")
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "IndexError" in warnings[0] and "shipped policy" in warnings[0]
@@ -264,10 +264,10 @@ def test_a_corrupt_policy_file_is_named_in_a_warning(calibrated, trainable_base,
     monkeypatch.setenv("HISPEC_HOME", str(tmp_path))
     heads, _ = calibrated
     model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
-    path = derive.policy_path(model)
+    path = record.policy_path(model)
     path.parent.mkdir(parents=True)
     path.write_text("{ damaged")
-    with caplog.at_level("WARNING", logger="hispec_decode.tuning.derive"):
+    with caplog.at_level("WARNING", logger="hispec_decode.tuning.record"):
         model.policy(method="hispec")
     assert any("unreadable" in r.getMessage() and str(path) in r.getMessage() for r in caplog.records)
     assert json.loads(path.read_text())["source"] == "derived"

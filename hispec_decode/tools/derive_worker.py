@@ -12,7 +12,7 @@ import torch
 
 from ..api import HiSpecModel
 from ..tuning.background import lock_path
-from ..tuning.derive import machine_record
+from ..tuning.record import machine_record
 
 
 def main(argv: list[str] | None = None) -> int:

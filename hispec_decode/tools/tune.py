@@ -7,7 +7,7 @@ Records each exit's top tokens along the base's greedy decoding of calibration p
 another seed than the benchmarks'), measures this machine's band-pass costs, replays a grid of
 policies under that cost model, confirms the best few by real decoding, and stores the chosen
 ``hispec`` and ``self_spec`` policies, per dtype, with the measurements that chose them, for this
-machine under ``$HISPEC_HOME/machine/`` (hispec_decode.tuning.derive): ``generate``, ``serve``, the
+machine under ``$HISPEC_HOME/machine/`` (hispec_decode.tuning.record): ``generate``, ``serve``, the
 CLIs and the demo use them by default on this machine; explicit arguments override them. The adapter
 directory is never written, except with ``--write-calibration`` and an explicit ``--heads``: then its
 calibration traces (``hispec_calibration.safetensors``, machine-independent) are written into it,
@@ -68,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..tuning.curve import choose_layers, read_curve
 
     from ..tuning.calibration import record_calibration, save_calibration
-    from ..tuning.derive import policy_path, store
+    from ..tuning.record import policy_path, store
 
     if args.write_calibration and args.heads is None:
         raise HiSpecError("--write-calibration writes into the adapter given with --heads; give it explicitly")

@@ -3,7 +3,7 @@ for it.
 
 The first ``hispec`` decode on a machine measures the pass costs (seconds: the timings must not share the
 CPU with anything) and replays only the adapter's shipped policy on its calibration traces, which gives
-each sequence's round chooser its priors (:func:`hispec_decode.tuning.derive.machine_record`). The grid of
+each sequence's round chooser its priors (:func:`hispec_decode.tuning.record.machine_record`). The grid of
 candidate policies, the longer part, is replayed by a worker started here
 (:mod:`hispec_decode.tools.derive_worker`, in a process of its own): it loads the same model at the lowest CPU priority (``nice`` 19: it runs on what decoding leaves
 idle), derives from the stored costs and stores the record, which later loads use. While it runs, a
