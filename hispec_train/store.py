@@ -59,7 +59,7 @@ class StoreConfig:
     out: str
     layers: list[int]
     base: str | None = None
-    dtype: str = "bfloat16"  # of the base forward and of the stored states
+    dtype: str = "bfloat16"  # of the base forward and of the stored states (native: GGUF blocks, bf16 states)
     max_tokens: int | None = None  # tokens to store in all (None: the whole data set)
     max_seq_len: int = 2048  # longer sequences are cut
     eval_sequences: int = 64  # held-out sequences (the first of a seeded shuffle)
@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="store directory")
     p.add_argument("--layers", type=positive_int_list, required=True, help="exit layers to store, e.g. 4,8")
     p.add_argument("--base", help="the base (default: embedded SmolLM2)")
-    p.add_argument("--dtype", default="bfloat16", help="dtype of the base forward and of the stored states")
+    p.add_argument("--dtype", default="bfloat16", help="dtype of the base forward and of the stored states; native: "
+                   "a GGUF base on its own blocks (the states its heads read when decoding natively), stored in bfloat16")
     p.add_argument("--max-tokens", type=positive_int, help="training tokens to store (default: all)")
     p.add_argument("--max-seq-len", type=positive_int, default=2048, help="longer sequences are cut")
     p.add_argument("--eval-sequences", type=positive_int, default=64, help="held-out sequences")

@@ -35,10 +35,12 @@ case "$MODEL" in
     BASE=(--base qwen2.5-coder-1.5b); PROMPTS=sharegpt-code,humaneval; NEW=384; LAYERS=2,4,7,10,14
     RUN=qwen2.5-coder-1.5b; TUNE_PROMPTS=code; EXTRA_RUN=; EXTRA_ARGS=()
     SELFDISTILL=(--dtype native --batch-size 16 --shard-records 256 --shard-seconds 300)
+    STORE_ARGS=(--dtype native)  # the states the heads will read when decoding: the GGUF blocks'
     TOKENS=${TOKENS:-600000}; STEPS=${STEPS:-500} ;;
   *) echo "MODEL must be smollm2, smollm2-feature, gemma3, qwen-coder or qwen-coder-1.5b" >&2; exit 2 ;;
 esac
 [ -n "${SELFDISTILL+x}" ] || SELFDISTILL=(--batch-size 48 --shard-records 128 --shard-seconds 240)
+[ -n "${STORE_ARGS+x}" ] || STORE_ARGS=()
 DATA=data/selfdistill-$MODEL
 STORE=store-$MODEL
 OUT=${OUT:-runs/heads-$MODEL}
@@ -57,7 +59,8 @@ stamp "feature store (runs/$STORE)"
 if [ "$(cat "runs/$STORE.done" 2>/dev/null)" != "$TOKENS" ]; then
   mode=$(mode_for "$STORE")
   echo "$TOKENS" > "runs/$STORE.building"
-  hispec-store "${BASE[@]}" --dataset "$DATA" --out "runs/$STORE" --layers "$LAYERS" --eval-sequences 64 $mode
+  hispec-store "${BASE[@]}" --dataset "$DATA" --out "runs/$STORE" --layers "$LAYERS" --eval-sequences 64 \
+    "${STORE_ARGS[@]}" $mode
   echo "$TOKENS" > "runs/$STORE.done"
 fi
 
