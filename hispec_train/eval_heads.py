@@ -41,8 +41,11 @@ def evaluate_adapter(heads_dir: str, features: str, base: str | None, seq_len: i
     """One adapter's measurements on the store's held-out split (module docstring)."""
     from hispec_decode import HiSpecModel
     from hispec_decode.adapter.fingerprint import compute_fingerprint
+    from hispec_decode.machine import compute_dtype
 
-    model = HiSpecModel.from_pretrained(base, heads_dir, dtype="bfloat16", pack_weights=False)
+    # bf16, or float32 on a CPU that would emulate bf16 matmuls (hispec_decode.machine.compute_dtype)
+    dtype = "bfloat16" if compute_dtype(torch.bfloat16) == torch.bfloat16 else "float32"
+    model = HiSpecModel.from_pretrained(base, heads_dir, dtype=dtype, pack_weights=False)
     decoder, adapter = model.decoder, model.adapter
     layers = sorted(e.layer for e in adapter.config.exits)
     store = FeatureStore(features, layers, "eval", compute_fingerprint(model.base_model))
