@@ -405,3 +405,34 @@ def test_a_feature_store_of_native_weights_holds_the_blocks_states(tmp_path, mon
     # one sequence alone against the store's padded batch: equal up to the activations' rounding
     torch.testing.assert_close(shard["hidden.2"][:n].float(), ref.hidden[0][0].float(), atol=0.05, rtol=2**-5)
     torch.testing.assert_close(shard["final"][:n].float(), ref.final[0].float(), atol=0.05, rtol=2**-5)
+
+
+@needs_kernel
+def test_fused_siblings_are_read_side_by_side_and_fused_without_a_copy():
+    """load_native reads q/k/v and gate/up blocks into one buffer each (not through the file's mapping),
+    byte for byte the file's; the decoder's fused linears then use that buffer as it is: the weights
+    are resident once."""
+    from safetensors import safe_open
+
+    from hispec_decode.models.loading import DEFAULT_BASE, packaged_native_dir
+    from hispec_decode.models.native import WEIGHTS
+
+    model = HiSpecModel.from_pretrained(heads="none", dtype="native")
+    directory = packaged_native_dir(DEFAULT_BASE)
+    layer = model.base_model.model.layers[3]
+    groups = [[layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+              [layer.mlp.gate_proj, layer.mlp.up_proj]]
+    with safe_open(str(directory / WEIGHTS), "pt") as f:
+        for group in groups:
+            names = {id(m): n for n, m in model.base_model.named_modules()}
+            for m in group:
+                assert torch.equal(m.blocks, f.get_tensor(f"{names[id(m)]}.weight"))
+            base = group[0].blocks.untyped_storage().data_ptr()
+            assert all(m.blocks.untyped_storage().data_ptr() == base for m in group)
+    qkv, _, mlp_in, _ = model.decoder.layer_kernels[3].fused
+    for fused, group in zip((qkv, mlp_in), groups):  # one kernel weight per group, the buffer read at load
+        assert len(fused.blocks) == 1
+        assert fused.blocks[0].blocks.data_ptr() == group[0].blocks.data_ptr()
+        assert fused.blocks[0].blocks.shape[0] == sum(m.out_features for m in group)
+    assert model.generate([[1, 2, 3]], max_new_tokens=8).sequences == model.generate(
+        [[1, 2, 3]], max_new_tokens=8, method="autoregressive").sequences

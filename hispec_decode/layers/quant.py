@@ -274,7 +274,9 @@ def fuse(linears: list[BlockLinear]) -> list[BlockWeight]:
         while j < len(linears) and linears[j].ggml_type == linears[i].ggml_type:
             j += 1
         group = linears[i:j]
-        blocks = torch.cat([lin.blocks for lin in group]) if len(group) > 1 else group[0].blocks
+        blocks = _adjacent(group) if len(group) > 1 else group[0].blocks
+        if blocks is None:
+            blocks = torch.cat([lin.blocks for lin in group])
         has_bias = any(lin.block_bias is not None for lin in group)
         bias = torch.cat([lin.block_bias if lin.block_bias is not None else torch.zeros(lin.out_features)
                           for lin in group]) if has_bias else None
@@ -287,6 +289,22 @@ def fuse(linears: list[BlockLinear]) -> list[BlockWeight]:
         parts.append(BlockWeight(blocks, group[0].ggml_type, bias))
         i = j
     return parts
+
+
+def _adjacent(linears: list[BlockLinear]) -> torch.Tensor | None:
+    """The linears' blocks as one tensor without a copy, where they already lie side by side in one
+    storage (:func:`hispec_decode.models.native.load_native` reads them so); else None."""
+    first = linears[0].blocks
+    row, end = first.shape[1], first.data_ptr()
+    for lin in linears:
+        b = lin.blocks
+        if not b.is_contiguous() or b.shape[1] != row or b.data_ptr() != end or \
+                b.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        end += b.numel()
+    rows = sum(lin.blocks.shape[0] for lin in linears)
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+        first.untyped_storage(), first.storage_offset(), (rows, row))
 
 
 def fused_call(x: torch.Tensor, parts: list[BlockWeight]) -> torch.Tensor:

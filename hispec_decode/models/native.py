@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -137,6 +138,53 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return module, leaf
 
 
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings the decoder fuses, in its order
+
+
+def _offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's absolute byte range in a safetensors file (its header: length, then JSON)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return {k: (8 + size + v["data_offsets"][0], 8 + size + v["data_offsets"][1])
+            for k, v in header.items() if k != "__metadata__"}
+
+
+def _read_fused(model: nn.Module, path: Path) -> None:
+    """Read the blocks of sibling linears the decoder fuses (:data:`FUSED`; consecutive ones of one
+    format, as :func:`~hispec_decode.layers.quant.fuse` groups them) into one buffer each, side by
+    side, the modules holding views of it: fusing them then copies nothing. Read with ``pread``, not
+    through the file's mapping, whose pages for them are never touched: the weights are resident
+    once, not also in the mapping (the mapping holds the rest)."""
+    offsets = _offsets(path)
+    names = {m: n for n, m in model.named_modules()}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for parent in list(names):
+            for group in FUSED:
+                members = [getattr(parent, leaf, None) for leaf in group]
+                if not all(isinstance(m, BlockLinear) for m in members):
+                    continue
+                runs: list[list[BlockLinear]] = []
+                for m in members:
+                    if runs and runs[-1][-1].ggml_type == m.ggml_type and runs[-1][-1].blocks.shape[1] == m.blocks.shape[1]:
+                        runs[-1].append(m)
+                    else:
+                        runs.append([m])
+                for run in (r for r in runs if len(r) > 1):
+                    fused = torch.empty(sum(m.out_features for m in run), run[0].blocks.shape[1], dtype=torch.uint8)
+                    row = 0
+                    for m in run:
+                        begin, end = offsets[f"{names[m]}.weight"]
+                        view = fused[row: row + m.out_features]
+                        buffer = memoryview(view.numpy()).cast("B")
+                        if end - begin != len(buffer) or os.preadv(fd, [buffer], begin) != len(buffer):
+                            raise HiSpecError(f"{path}: {names[m]}.weight could not be read whole")
+                        m.blocks, row = view, row + m.out_features
+    finally:
+        os.close(fd)
+
+
 def load_native(directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """The model prepared in ``directory`` (:func:`prepare_native`), activations in ``dtype``."""
     from safetensors import safe_open
@@ -170,6 +218,7 @@ def load_native(directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Modu
         table = model.get_input_embeddings()
         if isinstance(table, BlockEmbedding):
             model.lm_head = BlockLinear(table.table.blocks, table.table.ggml_type, table.embedding_dim, None, dtype)
+    _read_fused(model, directory / WEIGHTS)
     missing = model.load_state_dict(tensors, strict=False, assign=True).missing_keys
     still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if still_meta:
