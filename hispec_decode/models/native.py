@@ -178,8 +178,14 @@ def _read_fused(model: nn.Module, path: Path) -> None:
                         begin, end = offsets[f"{names[m]}.weight"]
                         view = fused[row: row + m.out_features]
                         buffer = memoryview(view.numpy()).cast("B")
-                        if end - begin != len(buffer) or os.preadv(fd, [buffer], begin) != len(buffer):
-                            raise HiSpecError(f"{path}: {names[m]}.weight could not be read whole")
+                        if end - begin != len(buffer):
+                            raise HiSpecError(f"{path}: {names[m]}.weight holds {end - begin} bytes, not {len(buffer)}")
+                        done = 0
+                        while done < len(buffer):  # a read may return less than asked (2 GiB at most on Linux)
+                            n = os.preadv(fd, [buffer[done:]], begin + done)
+                            if n <= 0:
+                                raise HiSpecError(f"{path}: {names[m]}.weight ends early (the file is cut)")
+                            done += n
                         m.blocks, row = view, row + m.out_features
     finally:
         os.close(fd)
