@@ -150,12 +150,37 @@ def _offsets(path: Path) -> dict[str, tuple[int, int]]:
             for k, v in header.items() if k != "__metadata__"}
 
 
+def _runs(members: list[BlockLinear]) -> list[list[BlockLinear]]:
+    """Consecutive members of one format and row width: what :func:`~hispec_decode.layers.quant.fuse`
+    puts in one kernel weight."""
+    runs: list[list[BlockLinear]] = []
+    for m in members:
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.ggml_type == m.ggml_type and last.blocks.shape[1] == m.blocks.shape[1]:
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    return runs
+
+
+def _pread(fd: int, view: torch.Tensor, begin: int, end: int, what: str) -> None:
+    """Fill the uint8 tensor ``view`` with the file's bytes ``begin:end`` (a read may return less than asked)."""
+    buffer = memoryview(view.numpy()).cast("B")
+    if end - begin != len(buffer):
+        raise HiSpecError(f"{what} holds {end - begin} bytes, not {len(buffer)}")
+    done = 0
+    while done < len(buffer):
+        n = os.preadv(fd, [buffer[done:]], begin + done)
+        if n <= 0:
+            raise HiSpecError(f"{what} ends early (the file is cut)")
+        done += n
+
+
 def _read_fused(model: nn.Module, path: Path) -> None:
-    """Read the blocks of sibling linears the decoder fuses (:data:`FUSED`; consecutive ones of one
-    format, as :func:`~hispec_decode.layers.quant.fuse` groups them) into one buffer each, side by
-    side, the modules holding views of it: fusing them then copies nothing. Read with ``pread``, not
-    through the file's mapping, whose pages for them are never touched: the weights are resident
-    once, not also in the mapping (the mapping holds the rest)."""
+    """Read the blocks of sibling linears the decoder fuses (:data:`FUSED`, in runs as :func:`_runs`) into
+    one buffer per run, side by side, the modules holding views of it: fusing them then copies nothing.
+    Read with ``pread``, not through the file's mapping, whose pages for them are never touched: the
+    weights are resident once, not also in the mapping (which holds the rest)."""
     offsets = _offsets(path)
     names = {m: n for n, m in model.named_modules()}
     fd = os.open(path, os.O_RDONLY)
@@ -165,27 +190,12 @@ def _read_fused(model: nn.Module, path: Path) -> None:
                 members = [getattr(parent, leaf, None) for leaf in group]
                 if not all(isinstance(m, BlockLinear) for m in members):
                     continue
-                runs: list[list[BlockLinear]] = []
-                for m in members:
-                    if runs and runs[-1][-1].ggml_type == m.ggml_type and runs[-1][-1].blocks.shape[1] == m.blocks.shape[1]:
-                        runs[-1].append(m)
-                    else:
-                        runs.append([m])
-                for run in (r for r in runs if len(r) > 1):
+                for run in (r for r in _runs(members) if len(r) > 1):
                     fused = torch.empty(sum(m.out_features for m in run), run[0].blocks.shape[1], dtype=torch.uint8)
                     row = 0
                     for m in run:
-                        begin, end = offsets[f"{names[m]}.weight"]
                         view = fused[row: row + m.out_features]
-                        buffer = memoryview(view.numpy()).cast("B")
-                        if end - begin != len(buffer):
-                            raise HiSpecError(f"{path}: {names[m]}.weight holds {end - begin} bytes, not {len(buffer)}")
-                        done = 0
-                        while done < len(buffer):  # a read may return less than asked (2 GiB at most on Linux)
-                            n = os.preadv(fd, [buffer[done:]], begin + done)
-                            if n <= 0:
-                                raise HiSpecError(f"{path}: {names[m]}.weight ends early (the file is cut)")
-                            done += n
+                        _pread(fd, view, *offsets[f"{names[m]}.weight"], f"{path}: {names[m]}.weight")
                         m.blocks, row = view, row + m.out_features
     finally:
         os.close(fd)
