@@ -295,8 +295,8 @@ def build_store(cfg: StoreConfig) -> StoreManifest:
         remove_tree(out)
     out.mkdir(parents=True, exist_ok=True)
     if compute_dtype(dtype, decoder.device) != dtype:  # emulated bf16 matmuls: the same weights, widened
-        logger.info("this CPU has no bf16 matrix kernels: the base runs in float32 (its %s weights widened) and "
-                    "the states are stored in %s", cfg.dtype, str(dtype).removeprefix("torch."))
+        logger.info("this CPU has no bf16 matrix kernels: the base computes in float32 (bf16 weights widened, GGUF "
+                    "blocks as they are) and the states are stored in %s", str(dtype).removeprefix("torch."))
         loaded.model.float()
     inner = getattr(loaded.model, loaded.model.base_model_prefix)
     total = sum(len(seqs[i]) for split in SPLITS for shard in plan[split] for i in shard)

@@ -264,16 +264,22 @@ def weight_rows(linear: nn.Module, index: torch.Tensor) -> torch.Tensor:
     return linear.weight.index_select(0, index)
 
 
+def fuse_runs(linears: list[BlockLinear]) -> list[list[BlockLinear]]:
+    """Consecutive linears of one format (hence one row width): each run is one kernel weight of :func:`fuse`."""
+    runs: list[list[BlockLinear]] = []
+    for lin in linears:
+        if runs and runs[-1][-1].ggml_type == lin.ggml_type:
+            runs[-1].append(lin)
+        else:
+            runs.append([lin])
+    return runs
+
+
 def fuse(linears: list[BlockLinear]) -> list[BlockWeight]:
     """The parts of a fused block linear, outputs side by side: consecutive linears of one format
     share one blocks tensor, whose slices the modules then hold (nothing is stored twice)."""
     parts: list[BlockWeight] = []
-    i = 0
-    while i < len(linears):
-        j = i + 1
-        while j < len(linears) and linears[j].ggml_type == linears[i].ggml_type:
-            j += 1
-        group = linears[i:j]
+    for group in fuse_runs(linears):
         blocks = _adjacent(group) if len(group) > 1 else group[0].blocks
         if blocks is None:
             blocks = torch.cat([lin.blocks for lin in group])
@@ -287,7 +293,6 @@ def fuse(linears: list[BlockLinear]) -> list[BlockWeight]:
                 lin.block_bias = bias[offset: offset + lin.out_features]
             offset += lin.out_features
         parts.append(BlockWeight(blocks, group[0].ggml_type, bias))
-        i = j
     return parts
 
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import HiSpecError
-from ..layers.quant import SERVED, BlockEmbedding, BlockLinear, block_shape, pack, type_name
+from ..layers.quant import SERVED, BlockEmbedding, BlockLinear, block_shape, fuse_runs, pack, type_name
 from .gguf_file import read_header
 from .registry import check_supported
 
@@ -150,19 +150,6 @@ def _offsets(path: Path) -> dict[str, tuple[int, int]]:
             for k, v in header.items() if k != "__metadata__"}
 
 
-def _runs(members: list[BlockLinear]) -> list[list[BlockLinear]]:
-    """Consecutive members of one format and row width: what :func:`~hispec_decode.layers.quant.fuse`
-    puts in one kernel weight."""
-    runs: list[list[BlockLinear]] = []
-    for m in members:
-        last = runs[-1][-1] if runs else None
-        if last is not None and last.ggml_type == m.ggml_type and last.blocks.shape[1] == m.blocks.shape[1]:
-            runs[-1].append(m)
-        else:
-            runs.append([m])
-    return runs
-
-
 def _pread(fd: int, view: torch.Tensor, begin: int, end: int, what: str) -> None:
     """Fill the uint8 tensor ``view`` with the file's bytes ``begin:end`` (a read may return less than asked)."""
     buffer = memoryview(view.numpy()).cast("B")
@@ -177,7 +164,7 @@ def _pread(fd: int, view: torch.Tensor, begin: int, end: int, what: str) -> None
 
 
 def _read_fused(model: nn.Module, path: Path) -> None:
-    """Read the blocks of sibling linears the decoder fuses (:data:`FUSED`, in runs as :func:`_runs`) into
+    """Read the blocks of sibling linears the decoder fuses (:data:`FUSED`, in runs as :func:`fuse_runs`) into
     one buffer per run, side by side, the modules holding views of it: fusing them then copies nothing.
     Read with ``pread``, not through the file's mapping, whose pages for them are never touched: the
     weights are resident once, not also in the mapping (which holds the rest)."""
@@ -190,7 +177,7 @@ def _read_fused(model: nn.Module, path: Path) -> None:
                 members = [getattr(parent, leaf, None) for leaf in group]
                 if not all(isinstance(m, BlockLinear) for m in members):
                     continue
-                for run in (r for r in _runs(members) if len(r) > 1):
+                for run in (r for r in fuse_runs(members) if len(r) > 1):
                     fused = torch.empty(sum(m.out_features for m in run), run[0].blocks.shape[1], dtype=torch.uint8)
                     row = 0
                     for m in run:
