@@ -76,6 +76,8 @@ class DecoderModel(ABC):
     """The engine's view of one base model: embed, run any slice of layers, exit to logits.
     One subclass per architecture family (see :mod:`hispec_decode.models.registry`)."""
 
+    FUSED_LINEARS: tuple[tuple[str, ...], ...] = ()  # sibling linears (by name, in order) a layer fuses into one
+
     def __init__(self, model: nn.Module, pack_weights: bool = True) -> None:
         self.model = model
         self.config = model.config

@@ -21,6 +21,8 @@ def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 class LlamaModel(DecoderModel):
     """Llama 2/3, CodeLlama, SmolLM2, Qwen2/2.5 (q/k/v biases), Qwen3 (q/k norms, sliding layers)."""
 
+    FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # see kernels()
+
     def __init__(self, model: nn.Module, pack_weights: bool = True) -> None:
         super().__init__(model, pack_weights)
         self.inner = model.model

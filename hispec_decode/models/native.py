@@ -33,7 +33,7 @@ from torch import nn
 from ..errors import HiSpecError
 from ..layers.quant import SERVED, BlockEmbedding, BlockLinear, block_shape, fuse_runs, pack, type_name
 from .gguf_file import read_header
-from .registry import check_supported
+from .registry import FAMILIES, check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +138,6 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return module, leaf
 
 
-FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings the decoder fuses, in its order
-
-
 def _offsets(path: Path) -> dict[str, tuple[int, int]]:
     """Each tensor's absolute byte range in a safetensors file (its header: length, then JSON)."""
     with open(path, "rb") as f:
@@ -163,8 +160,9 @@ def _pread(fd: int, view: torch.Tensor, begin: int, end: int, what: str) -> None
         done += n
 
 
-def _read_fused(model: nn.Module, path: Path) -> None:
-    """Read the blocks of sibling linears the decoder fuses (:data:`FUSED`, in runs as :func:`fuse_runs`) into
+def _read_fused(model: nn.Module, path: Path, groups: tuple[tuple[str, ...], ...]) -> None:
+    """Read the blocks of sibling linears the decoder fuses (``groups``: its family's ``FUSED_LINEARS``, in
+    runs as :func:`fuse_runs`) into
     one buffer per run, side by side, the modules holding views of it: fusing them then copies nothing.
     Read with ``pread``, not through the file's mapping, whose pages for them are never touched: the
     weights are resident once, not also in the mapping (which holds the rest)."""
@@ -173,7 +171,7 @@ def _read_fused(model: nn.Module, path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         for parent in list(names):
-            for group in FUSED:
+            for group in groups:
                 members = [getattr(parent, leaf, None) for leaf in group]
                 if not all(isinstance(m, BlockLinear) for m in members):
                     continue
@@ -221,7 +219,7 @@ def load_native(directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Modu
         table = model.get_input_embeddings()
         if isinstance(table, BlockEmbedding):
             model.lm_head = BlockLinear(table.table.blocks, table.table.ggml_type, table.embedding_dim, None, dtype)
-    _read_fused(model, directory / WEIGHTS)
+    _read_fused(model, directory / WEIGHTS, FAMILIES[config.model_type].FUSED_LINEARS)
     missing = model.load_state_dict(tensors, strict=False, assign=True).missing_keys
     still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if still_meta:

@@ -15,6 +15,8 @@ from .base import AttentionFn, DecoderModel, LayerKernels, module_linears
 class OPTModel(DecoderModel):
     """OPT: learned positions (offset 2), LayerNorm, pre- or post-LN, optional project_in/out."""
 
+    FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"),)  # see kernels()
+
     def __init__(self, model: nn.Module, pack_weights: bool = True) -> None:
         super().__init__(model, pack_weights)
         self.inner = model.model.decoder
