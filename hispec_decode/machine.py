@@ -78,7 +78,10 @@ def describe(device: torch.device | str = "cpu") -> dict[str, object]:
 
     out: dict[str, object] = {"device": device_name(device), "threads": torch.get_num_threads()}
     if torch.device(device).type == "cpu":
-        out |= {"cpu_features": cpu_features(), "bf16_linear": kernels.linear_kind(), "cpus": os.cpu_count()}
+        from .layers import quant
+
+        out |= {"cpu_features": cpu_features(), "bf16_linear": kernels.linear_kind(),
+                "block_linear": quant.kernel_kind(), "cpus": os.cpu_count()}
     return out
 
 
@@ -88,7 +91,9 @@ def summary(described: dict[str, object] | None = None) -> str:
     feats = d.get("cpu_features")
     have = ", ".join(f for f, on in feats.items() if on) if isinstance(feats, dict) else ""
     return (f"{d.get('device', 'unknown')}" + (f" [{have}]" if have else "")
-            + (f"; bf16 linears: {d['bf16_linear']}" if "bf16_linear" in d else "") + f"; {d.get('threads', '?')} threads")
+            + (f"; bf16 linears: {d['bf16_linear']}" if "bf16_linear" in d else "")
+            + (f"; block linears: {d['block_linear']}" if "block_linear" in d else "")
+            + f"; {d.get('threads', '?')} threads")
 
 
 def key(device: torch.device | str, dtype: torch.dtype, base: str) -> str:

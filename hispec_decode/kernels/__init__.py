@@ -246,7 +246,8 @@ def main() -> None:
     if k is None:
         print("[kernels] not built: the torch fallbacks will be used")
     else:
-        print(f"[kernels] ready in {build_directory()} (bf16 linears: {linear_kind()})")
+        print(f"[kernels] ready in {build_directory()} (bf16 linears: {linear_kind()}, "
+              f"block linears: {k.linear_q_kind()})")
 
 
 def _use(*xs: torch.Tensor) -> ModuleType | None:

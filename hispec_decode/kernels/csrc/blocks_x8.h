@@ -12,10 +12,28 @@
 // Products add up in int16 as far as they cannot overflow (8 loads of 4-bit values, 4 of 5-bit, 2 of
 // 6-bit, 1 of 8-bit), then in int32, then in float once per activation block, in increasing k: the
 // same order for every row of a call, so the kernel stays batch-invariant.
-// AVX2 + FMA + F16C only; included by linear_q.cpp after quant_blocks.h.
+// With VNNI (AVX512-VNNI with VL, or AVX-VNNI; HISPEC_X8_INT32) vpdpbusd adds 4 products straight into
+// int32 lane c, replacing vpmaddubsw, the int16 adds and vpmaddwd; sub-block scales then multiply int32
+// sums. The integers are the same (the int16 sums never overflow), so the outputs are bit for bit equal.
+// AVX2 + FMA + F16C; included by linear_q.cpp after quant_blocks.h.
 #pragma once
 
+#if ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)) && !defined(HISPEC_X8_INT16)
+#define HISPEC_X8_INT32 1
+#endif  // (either loop can be forced with -DHISPEC_X8_INT32 or -DHISPEC_X8_INT16: tests/test_native.py)
+
 namespace hispec_blocks {
+
+// acc + the sums of 4 adjacent products u * s (u unsigned, s signed bytes), per int32 lane
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else  // HISPEC_X8_INT32 forced on a CPU without VNNI (to test those loops): exact, as |u * s| pairs < 2^15 here
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
 
 constexpr int64_t X8 = 256;  // added to a ggml type: its blocks are interleaved by 8 rows
 
@@ -42,6 +60,15 @@ inline __m256i pairs_u8(__m128i b8) {
   return _mm256_or_si256(w, _mm256_slli_epi32(w, 16));
 }
 
+// the K formats' sub-block scales, 8 bytes (one per row): int32 lanes (HISPEC_X8_INT32) or int16 pairs
+inline __m256i scales(__m128i b8) {
+#if defined(HISPEC_X8_INT32)
+  return _mm256_cvtepu8_epi32(b8);
+#else
+  return pairs_u8(b8);
+#endif
+}
+
 // 32-value formats: the 8 rows of group g against rows m0 .. m0 + MT of x; acc[r] lane c += out (m0 + r, c)
 template <int64_t TYPE, int MT>
 inline void x8_dot32(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D, const float* XS, int64_t K,
@@ -51,7 +78,8 @@ inline void x8_dot32(const uint8_t* g, int64_t nb, const int8_t* Q, const float*
   constexpr int64_t QS = TYPE == Q4_1 ? 4 : TYPE == Q5_0 ? 6 : TYPE == Q5_1 ? 8 : 2, QH = TYPE == Q5_0 ? 2 : 4;
   constexpr float OFFSET = TYPE == Q4_0 ? 8.f : TYPE == Q5_0 ? 16.f : 0.f;
   const int64_t KB = K / 32;
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* b = g + blk * 8 * BYTES;
     const __m256 a = halves8(b);
@@ -75,6 +103,12 @@ inline void x8_dot32(const uint8_t* g, int64_t nb, const int8_t* Q, const float*
     for (int r = 0; r < MT; ++r) {
       const int8_t* x = Q + r * K + blk * 32;
       __m256i p;
+#if defined(HISPEC_X8_INT32)
+      p = _mm256_setzero_si256();
+      for (int t = 0; t < 8; ++t)  // q[t]: inputs 4t .. 4t + 3 (Q8_0: |q| against x with q's sign)
+        p = SIGNED ? dot4(p, _mm256_sign_epi8(q[t], q[t]), _mm256_sign_epi8(bcast4(x + 4 * t), q[t]))
+                   : dot4(p, q[t], bcast4(x + 4 * t));
+#else
       if constexpr (SIGNED) {
         p = _mm256_setzero_si256();
         for (int t = 0; t < 8; ++t)
@@ -92,6 +126,7 @@ inline void x8_dot32(const uint8_t* g, int64_t nb, const int8_t* Q, const float*
         for (int t = 0; t < 8; ++t) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(q[t], bcast4(x + 4 * t)));
         p = _mm256_madd_epi16(s, ones);
       }
+#endif
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(a, _mm256_set1_ps(D[r * KB + blk])), acc[r]);
       if constexpr (!SIGNED) acc[r] = _mm256_fmadd_ps(coef, _mm256_set1_ps(XS[r * KB + blk]), acc[r]);
     }
@@ -107,16 +142,16 @@ inline void x8_q45k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* 
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* b = g + blk * 8 * BYTES;
     const __m256 d = halves8(b), dmin = halves8(b + 16);
-    __m256i sc[8], mn[8];  // sub-block s's scale and min of row c as an int16 pair in lane c
+    __m256i sc[8], mn[8];  // sub-block s's scale (HISPEC_X8_INT32: int32) and min of row c as an int16 pair in lane c
     {
       auto plane = [&](int i) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 32 + 8 * i)); };
       const __m128i m6 = _mm_set1_epi8(63), m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(3);
       for (int s = 0; s < 4; ++s) {
-        sc[s] = pairs_u8(_mm_and_si128(plane(s), m6));
+        sc[s] = scales(_mm_and_si128(plane(s), m6));
         mn[s] = pairs_u8(_mm_and_si128(plane(s + 4), m6));
         const __m128i top_sc = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(plane(s), 6), m2), 4);
         const __m128i top_mn = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(plane(s + 4), 6), m2), 4);
-        sc[s + 4] = pairs_u8(_mm_or_si128(_mm_and_si128(plane(s + 8), m4), top_sc));
+        sc[s + 4] = scales(_mm_or_si128(_mm_and_si128(plane(s + 8), m4), top_sc));
         mn[s + 4] = pairs_u8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(plane(s + 8), 4), m4), top_mn));
       }
     }
@@ -138,6 +173,16 @@ inline void x8_q45k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* 
 #pragma GCC unroll 4
         for (int r = 0; r < MT; ++r) {
           const int8_t* x = Q + r * K + blk * 256 + 64 * j + 4 * t;
+#if defined(HISPEC_X8_INT32)
+          slo[r] = dot4(slo[r], lo, bcast4(x));
+          shi[r] = dot4(shi[r], hi, bcast4(x + 32));
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r)
+        iacc[r] = _mm256_add_epi32(iacc[r], _mm256_add_epi32(_mm256_mullo_epi32(slo[r], sc[2 * j]),
+                                                             _mm256_mullo_epi32(shi[r], sc[2 * j + 1])));
+#else
           slo[r] = _mm256_add_epi16(slo[r], _mm256_maddubs_epi16(lo, bcast4(x)));
           shi[r] = _mm256_add_epi16(shi[r], _mm256_maddubs_epi16(hi, bcast4(x + 32)));
         }
@@ -150,6 +195,7 @@ inline void x8_q45k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* 
           }
         }
       }
+#endif
     }
 #pragma GCC unroll 4
     for (int r = 0; r < MT; ++r) {
@@ -171,10 +217,14 @@ inline void x8_q6k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* b = g + blk * 8 * 210;
     const __m256 d = halves8(b);
-    __m256i sc[16], pair[8];  // sc[k]: scale k of row c as (s, s) in lane c; pair[i]: (s_2i, s_2i+1)
+    __m256i sc[16], pair[8];  // sc[k]: scale k of row c as (s, s) in lane c (HISPEC_X8_INT32: s); pair[i]: (s_2i, s_2i+1)
     for (int k = 0; k < 16; ++k) {
       const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 16 + 8 * k)));
+#if defined(HISPEC_X8_INT32)
+      sc[k] = w;
+#else
       sc[k] = _mm256_or_si256(_mm256_and_si256(w, mask16), _mm256_slli_epi32(w, 16));
+#endif
       if (k % 2) pair[k / 2] = _mm256_or_si256(_mm256_and_si256(sc[k - 1], mask16), _mm256_slli_epi32(w, 16));
     }
     __m256i iacc[MT];
@@ -182,7 +232,7 @@ inline void x8_q6k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D
     for (int h = 0; h < 2; ++h) {
       const uint8_t* ql = b + 144 + 768 * h;  // this half's 64 bytes of ql per row, then its 32 of qh
       const uint8_t* qh = ql + 512;
-      __m256i s16[MT][4];  // inputs 128h + 32j + l: ql[64h + 32 (j & 1) + l], nibble j / 2, qh bits 2j
+      __m256i s16[MT][4];  // (HISPEC_X8_INT32: int32 sums) inputs 128h + 32j + l: ql[64h + 32 (j & 1) + l], nibble j / 2, qh bits 2j
       for (int t = 0; t < 8; ++t) {
         const __m256i L0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * t));
         const __m256i L1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * (8 + t)));
@@ -192,6 +242,13 @@ inline void x8_q6k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D
 #pragma GCC unroll 4
         for (int r = 0; r < MT; ++r) {
           const int8_t* x = Q + r * K + blk * 256 + 128 * h + 4 * t;
+#if defined(HISPEC_X8_INT32)
+          for (int j = 0; j < 4; ++j)
+            s16[r][j] = dot4(t % 4 ? s16[r][j] : _mm256_setzero_si256(), q[j], bcast4(x + 32 * j));
+          if (t % 4 == 3)  // 16 inputs, one scale
+            for (int j = 0; j < 4; ++j)
+              iacc[r] = _mm256_add_epi32(iacc[r], _mm256_mullo_epi32(s16[r][j], sc[8 * h + 2 * j + t / 4]));
+#else
           for (int j = 0; j < 4; ++j) {
             const __m256i p = _mm256_maddubs_epi16(q[j], bcast4(x + 32 * j));
             s16[r][j] = t % 2 ? _mm256_add_epi16(s16[r][j], p) : p;
@@ -199,6 +256,7 @@ inline void x8_q6k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D
           if (t % 2)  // 6-bit values: int16 holds 2 loads' sums
             for (int j = 0; j < 4; ++j)
               iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(s16[r][j], sc[8 * h + 2 * j + t / 4]));
+#endif
         }
       }
     }

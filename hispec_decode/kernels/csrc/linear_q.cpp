@@ -249,6 +249,16 @@ void check_weight(const torch::Tensor& w, int64_t type, int64_t K, const char* n
 
 bool linear_q_available() { return true; }
 
+std::string linear_q_kind() {
+#if defined(HISPEC_X8_INT32) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+  return "vnni";
+#elif defined(HISPEC_X8_INT32)
+  return "int32";  // the VNNI loops on a CPU without VNNI (to test them)
+#else
+  return "avx2";
+#endif
+}
+
 // x [M, K] bf16 or float32; w uint8 [N, K / QK * BYTES], the file's blocks row by row; bias float32 [N] or
 // empty. Returns [M, N] in x's dtype.
 torch::Tensor linear_q(const torch::Tensor& x, const torch::Tensor& w, int64_t type, const torch::Tensor& bias) {
@@ -303,6 +313,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch:
 #else
 
 bool linear_q_available() { return false; }
+std::string linear_q_kind() { return "none"; }
 torch::Tensor linear_q(const torch::Tensor&, const torch::Tensor&, int64_t, const torch::Tensor&) {
   TORCH_CHECK(false, "linear_q: built without AVX2, FMA and F16C");
 }

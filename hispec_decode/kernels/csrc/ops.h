@@ -10,6 +10,7 @@ std::string linear_bf16_kind();
 int64_t linear_bf16_group();
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& bias);
 bool linear_q_available();
+std::string linear_q_kind();
 torch::Tensor linear_q(const torch::Tensor& x, const torch::Tensor& w, int64_t type, const torch::Tensor& bias);
 torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& ids, int64_t K);
 bool amx_available();
