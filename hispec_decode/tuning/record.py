@@ -25,6 +25,7 @@ from ..adapter.fingerprint import base_id
 from ..adapter.vocabulary import calibration_prompts, fit_context
 from ..decoding.level import vocab_key, vocab_of
 from ..files import write_text
+from ..layers import quant
 from ..models.loading import hispec_home
 from ..models.native import LAYOUT as NATIVE_LAYOUT
 from . import background, derive
@@ -123,9 +124,13 @@ def _about(model: Any, calibration: str) -> dict[str, Any]:
 
 
 def _precision(model: Any) -> Any:
-    """What a record is kept per: the torch dtype, or for GGUF blocks their precision and layout
-    (``native-x8``: costs measured on another layout are measured again)."""
-    return f"{model.decoder.precision}-{NATIVE_LAYOUT}" if model.decoder.native else model.decoder.dtype
+    """What a record is kept per: the torch dtype, or for GGUF blocks their precision, layout and, where
+    it is not the AVX2 one, the kernel's loop (``native-x8``, ``native-x8-vnni``: costs measured on
+    another layout or loop are measured again)."""
+    if not model.decoder.native:
+        return model.decoder.dtype
+    loop = quant.kernel_kind()
+    return f"{model.decoder.precision}-{NATIVE_LAYOUT}" + ("" if loop in ("avx2", "torch") else f"-{loop}")
 
 
 def _derive_and_store(model: Any, path: Path) -> dict[str, Any]:
