@@ -226,14 +226,14 @@ def generate(cfg: SelfDistillConfig) -> Path:
     engine = model.build_engine(SpeculativeConfig(method="autoregressive"),
                                 EngineConfig(num_blocks=per_seq * cfg.batch_size + 1))
     manifest = {"config": asdict(cfg), "base": model.base_name, "jobs_planned": len(plan), "plan_digest": digest}
-    if before is not None:
-        manifest["skipped_long_prompts"] = before.get("skipped_long_prompts", 0)
     logger.info("%d answers to write (%d done, %d new tokens so far)", len(jobs), len(done), written)
 
     index = next_index(out, before.get("shards") if before else None)
     pending: dict[int, Job] = {}
     records: list[dict[str, Any]] = []
-    skipped = 0
+    # a resumed run meets the prompts skipped before again, in plan order: its own count reaches the earlier
+    # one once it has passed them, so the larger of the two is the number skipped so far
+    skipped, skipped_before = 0, before.get("skipped_long_prompts", 0) if before else 0
     last_flush = time.monotonic()
     queue = iter(jobs)
     bar = tqdm(total=cfg.max_tokens, initial=min(written, cfg.max_tokens), desc="self-distilling", unit="tok")
@@ -243,7 +243,8 @@ def generate(cfg: SelfDistillConfig) -> Path:
         if records:
             shards.append(write_shard(out, index, records))
             index, records = index + 1, []
-        manifest.update(new_tokens=written, shards=[s.entry() for s in shards], skipped_long_prompts=skipped,
+        manifest.update(new_tokens=written, shards=[s.entry() for s in shards],
+                        skipped_long_prompts=max(skipped, skipped_before),
                         updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
         last_flush = time.monotonic()

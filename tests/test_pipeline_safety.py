@@ -189,6 +189,29 @@ def test_selfdistill_resume_regenerates_a_missing_shard_and_overwrites_none(dist
     _manifest_is_the_disk(copy)
 
 
+def test_selfdistill_resume_keeps_the_count_of_skipped_prompts(trainable_base, tmp_path, monkeypatch):
+    """Prompts longer than --max-prompt-tokens are skipped; a resumed run meets them again and its
+    manifest never counts fewer than were skipped before it (nor counts one twice)."""
+    prompts = tmp_path / "mixed.txt"  # every other prompt 4 times as long: 36 or 87 tokens in the chat template
+    prompts.write_text("\n".join(p * (1 + 3 * (i % 2)) for i, p in enumerate(PROMPTS[:8])) + "\n")
+    full = generate(_distill_cfg(trainable_base, prompts, tmp_path / "full", max_prompt_tokens=60))
+    skipped = json.loads((full / MANIFEST_NAME).read_text())["skipped_long_prompts"]
+    out = generate(_distill_cfg(trainable_base, prompts, tmp_path / "part", max_prompt_tokens=60, max_tokens=12))
+    before = json.loads((out / MANIFEST_NAME).read_text())["skipped_long_prompts"]
+    assert skipped == 8 and 0 < before < skipped  # 2 answers of each long prompt
+    counts = []
+    write_text = selfdistill.write_text
+
+    def spy(path, text):
+        if Path(path).name == MANIFEST_NAME:
+            counts.append(json.loads(text)["skipped_long_prompts"])
+        write_text(path, text)
+
+    monkeypatch.setattr(selfdistill, "write_text", spy)
+    generate(_distill_cfg(trainable_base, prompts, out, max_prompt_tokens=60, resume=True))
+    assert counts and min(counts) >= before and counts[-1] == skipped, (before, counts, skipped)
+
+
 def test_selfdistill_resume_stops_at_a_damaged_shard(distilled, trainable_base, few_prompts, tmp_path, capsys):
     copy = tmp_path / "data"
     shutil.copytree(distilled, copy)
