@@ -36,11 +36,13 @@ case "$MODEL" in
     RUN=qwen2.5-coder-1.5b; TUNE_PROMPTS=code; EXTRA_RUN=; EXTRA_ARGS=()
     SELFDISTILL=(--dtype native --batch-size 16 --shard-records 256 --shard-seconds 300)
     STORE_ARGS=(--dtype native)  # the states the heads will read when decoding: the GGUF blocks'
+    TUNE_DTYPES=native  # what it decodes by default (float32 would be 6 GB and hours of tuning)
     TOKENS=${TOKENS:-600000}; STEPS=${STEPS:-500} ;;
   *) echo "MODEL must be smollm2, smollm2-feature, gemma3, qwen-coder or qwen-coder-1.5b" >&2; exit 2 ;;
 esac
 [ -n "${SELFDISTILL+x}" ] || SELFDISTILL=(--batch-size 48 --shard-records 128 --shard-seconds 240)
 [ -n "${STORE_ARGS+x}" ] || STORE_ARGS=()
+TUNE_DTYPES=${TUNE_DTYPES:-bfloat16,float32}
 DATA=data/selfdistill-$MODEL
 STORE=store-$MODEL
 OUT=${OUT:-runs/heads-$MODEL}
@@ -84,5 +86,5 @@ fi
 
 stamp "export to $OUT, tune"
 hispec-export "runs/$RUN" --out "$OUT" --overwrite "${with[@]}"
-hispec-tune "${BASE[@]}" --heads "$OUT" --dtypes bfloat16,float32 --num-prompts 8 --prompts "$TUNE_PROMPTS" --write-calibration
+hispec-tune "${BASE[@]}" --heads "$OUT" --dtypes "$TUNE_DTYPES" --num-prompts 8 --prompts "$TUNE_PROMPTS" --write-calibration
 stamp "done: copy $OUT to hispec_decode/default_heads/${BASE[1]:-smollm2-135m} to ship it"
