@@ -11,7 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_group", &linear_bf16_group, "column blocks side by side per input pair in linear_bf16's weight");
   m.def("linear_bf16", &linear_bf16, "bf16 linear on a VNNI-packed weight (row-independent reduction order)");
   m.def("linear_q_available", &linear_q_available);
-  m.def("linear_q_kind", &linear_q_kind, "the block linear's loop: vnni (vpdpbusd) or avx2");
+  m.def("linear_q_kind", &linear_q_kind,
+        "the block linear's loop: vnni (vpdpbusd), avx2, int32 (the vnni loop emulated) or none");
   m.def("linear_q", &linear_q, "linear on a GGUF block weight, 8-bit activations (row-independent order)");
   m.def("dequantize_rows", &dequantize_rows, "rows of a GGUF block weight as float32");
   m.def("amx_available", &amx_available);

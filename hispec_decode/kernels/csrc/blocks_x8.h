@@ -18,9 +18,10 @@
 // AVX2 + FMA + F16C; included by linear_q.cpp after quant_blocks.h.
 #pragma once
 
-#if ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)) && !defined(HISPEC_X8_INT16)
+#if ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)) && !defined(HISPEC_X8_INT16) && \
+    !defined(HISPEC_X8_INT32)
 #define HISPEC_X8_INT32 1
-#endif  // (either loop can be forced with -DHISPEC_X8_INT32 or -DHISPEC_X8_INT16: tests/test_native.py)
+#endif  // (either loop can be forced with -DHISPEC_X8_INT32 or -DHISPEC_X8_INT16: tests/test_block_loops.py)
 
 namespace hispec_blocks {
 
