@@ -78,10 +78,8 @@ def describe(device: torch.device | str = "cpu") -> dict[str, object]:
 
     out: dict[str, object] = {"device": device_name(device), "threads": torch.get_num_threads()}
     if torch.device(device).type == "cpu":
-        from .layers import quant
-
         out |= {"cpu_features": cpu_features(), "bf16_linear": kernels.linear_kind(),
-                "block_linear": quant.kernel_kind(), "cpus": os.cpu_count()}
+                "block_linear": kernels.block_linear_kind(), "cpus": os.cpu_count()}
     return out
 
 

@@ -31,7 +31,7 @@ def other_loop(tmp_path_factory):
 
     if not quant.has_kernel():
         pytest.skip("the block kernels are not built here")
-    default = quant.kernel_kind()
+    default = kernels.block_linear_kind()
     define, kind = ("HISPEC_X8_INT16", "avx2") if default == "vnni" else ("HISPEC_X8_INT32", "int32")
     source = f'#define {define} 1\n#include "{CSRC / "linear_q.cpp"}"\n'
     module = load_inline(f"hispec_linear_q_{kind}", cpp_sources=[source], functions=["linear_q", "linear_q_kind"],

@@ -332,12 +332,12 @@ def test_native_records_are_kept_per_block_loop(monkeypatch):
     """Pass costs measured with the AVX2 block loop are not reused where the VNNI loop runs."""
     from types import SimpleNamespace
 
-    from hispec_decode.layers import quant
+    from hispec_decode import kernels
 
     native = SimpleNamespace(decoder=SimpleNamespace(native=True, precision="native"))
     kinds = {}
     for kind in ("avx2", "vnni", "torch"):
-        monkeypatch.setattr(quant, "kernel_kind", lambda kind=kind: kind)
+        monkeypatch.setattr(kernels, "block_linear_kind", lambda kind=kind: kind)
         kinds[kind] = record._precision(native)
     assert kinds == {"avx2": "native-x8", "vnni": "native-x8-vnni", "torch": "native-x8"}
     assert record._precision(SimpleNamespace(decoder=SimpleNamespace(native=False, dtype=torch.bfloat16))) == torch.bfloat16

@@ -233,6 +233,12 @@ def linear_kind() -> str:
     return "amx" if has_amx() else k.linear_bf16_kind()
 
 
+def block_linear_kind() -> str:
+    """Which loop serves GGUF block linears here: ``vnni`` (vpdpbusd), ``avx2`` or ``torch`` (no kernel)."""
+    k = ops()
+    return "torch" if k is None or not k.linear_q_available() else k.linear_q_kind()
+
+
 def has_amx() -> bool:
     """AMX tiles for the bf16 linear (built for them, and granted by the OS to this process)."""
     k = ops()
@@ -247,7 +253,7 @@ def main() -> None:
         print("[kernels] not built: the torch fallbacks will be used")
     else:
         print(f"[kernels] ready in {build_directory()} (bf16 linears: {linear_kind()}, "
-              f"block linears: {k.linear_q_kind()})")
+              f"block linears: {block_linear_kind()})")
 
 
 def _use(*xs: torch.Tensor) -> ModuleType | None:

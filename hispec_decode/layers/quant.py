@@ -135,12 +135,6 @@ def has_kernel() -> bool:
     return _k() is not None
 
 
-def kernel_kind() -> str:
-    """Which loop serves block linears here: ``vnni`` (vpdpbusd), ``avx2`` or ``torch`` (no kernel)."""
-    k = _k()
-    return "torch" if k is None else k.linear_q_kind()
-
-
 def dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``rows`` (all if None) of a block weight as float32 ``[n, in_features]``, the values ggml's
     de-quantization gives (the compiled kernel where built, else the ``gguf`` package's numpy code)."""

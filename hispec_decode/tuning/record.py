@@ -20,12 +20,11 @@ from typing import Any
 
 import torch
 
-from .. import machine
+from .. import kernels, machine
 from ..adapter.fingerprint import base_id
 from ..adapter.vocabulary import calibration_prompts, fit_context
 from ..decoding.level import vocab_key, vocab_of
 from ..files import write_text
-from ..layers import quant
 from ..models.loading import hispec_home
 from ..models.native import LAYOUT as NATIVE_LAYOUT
 from . import background, derive
@@ -129,7 +128,7 @@ def _precision(model: Any) -> Any:
     another layout or loop are measured again)."""
     if not model.decoder.native:
         return model.decoder.dtype
-    loop = quant.kernel_kind()
+    loop = kernels.block_linear_kind()
     return f"{model.decoder.precision}-{NATIVE_LAYOUT}" + ("" if loop in ("avx2", "torch") else f"-{loop}")
 
 
