@@ -234,12 +234,13 @@ def generate(cfg: SelfDistillConfig) -> Path:
     # a resumed run meets the prompts skipped before again, in plan order: its own count reaches the earlier
     # one once it has passed them, so the larger of the two is the number skipped so far
     skipped, skipped_before = 0, before.get("skipped_long_prompts", 0) if before else 0
-    last_flush = time.monotonic()
+    last_flush, flushing = time.monotonic(), False
     queue = iter(jobs)
     bar = tqdm(total=cfg.max_tokens, initial=min(written, cfg.max_tokens), desc="self-distilling", unit="tok")
 
     def flush() -> None:
-        nonlocal index, records, last_flush
+        nonlocal index, records, last_flush, flushing
+        flushing = True
         if records:
             shards.append(write_shard(out, index, records))
             index, records = index + 1, []
@@ -247,7 +248,7 @@ def generate(cfg: SelfDistillConfig) -> Path:
                         skipped_long_prompts=max(skipped, skipped_before),
                         updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
-        last_flush = time.monotonic()
+        last_flush, flushing = time.monotonic(), False
 
     def refill() -> None:
         nonlocal skipped
@@ -269,25 +270,31 @@ def generate(cfg: SelfDistillConfig) -> Path:
 
     flush()  # the manifest first (a run killed before its first shard can be resumed); lists what is on disk
     refill()
-    while pending and written < cfg.max_tokens:
-        for output in engine.step():
-            if not output.finished:
-                continue
-            job, seq = pending.pop(output.request_id), engine.release(output.request_id)
-            answer = seq.new_tokens
-            records.append({
-                "job": job.job, "prompt_index": job.prompt_index, "source": job.source,
-                "messages": [{"role": "user", "content": job.text},
-                             {"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)}],
-                "input_ids": list(seq.tokens), "prompt_tokens": seq.prompt_length, "new_tokens": len(answer),
-                "do_sample": job.do_sample, "temperature": cfg.temperature if job.do_sample else 0.0,
-                "top_p": cfg.top_p if job.do_sample else 1.0, "finish_reason": seq.finish_reason,
-            })
-            written += len(answer)
-            bar.update(len(answer))
-            if len(records) >= cfg.shard_records or time.monotonic() - last_flush > cfg.shard_seconds:
-                flush()
-        refill()
+    try:
+        while pending and written < cfg.max_tokens:
+            for output in engine.step():
+                if not output.finished:
+                    continue
+                job, seq = pending.pop(output.request_id), engine.release(output.request_id)
+                answer = seq.new_tokens
+                records.append({
+                    "job": job.job, "prompt_index": job.prompt_index, "source": job.source,
+                    "messages": [{"role": "user", "content": job.text},
+                                 {"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)}],
+                    "input_ids": list(seq.tokens), "prompt_tokens": seq.prompt_length, "new_tokens": len(answer),
+                    "do_sample": job.do_sample, "temperature": cfg.temperature if job.do_sample else 0.0,
+                    "top_p": cfg.top_p if job.do_sample else 1.0, "finish_reason": seq.finish_reason,
+                })
+                written += len(answer)
+                bar.update(len(answer))
+                if len(records) >= cfg.shard_records or time.monotonic() - last_flush > cfg.shard_seconds:
+                    flush()
+            refill()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (cli.Terminated) between shards: keep the finished answers
+        if records and not flushing:
+            written = sum(sh.new_tokens for sh in shards) + sum(r["new_tokens"] for r in records)
+            flush()
+        raise
     flush()
     bar.close()
     logger.info("wrote %d new tokens in %d shards to %s", written, len(shards), out)

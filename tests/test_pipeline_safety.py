@@ -212,6 +212,34 @@ def test_selfdistill_resume_keeps_the_count_of_skipped_prompts(trainable_base, t
     assert counts and min(counts) >= before and counts[-1] == skipped, (before, counts, skipped)
 
 
+def test_an_interrupted_selfdistill_keeps_its_finished_answers(distilled, trainable_base, few_prompts, tmp_path,
+                                                              monkeypatch):
+    """Ctrl-C (or SIGTERM, which ends a command as Ctrl-C does) after 3 answers and before any shard was
+    due: the 3 answers are written as a shard, the manifest lists it, and a resume finishes the rest."""
+    class Bar:  # stands in for tqdm; the 3rd finished answer is followed by the interrupt
+        def __init__(self, *args, **kwargs):
+            self.calls = 0
+
+        def update(self, n):
+            self.calls += 1
+            if self.calls == 3:
+                raise KeyboardInterrupt
+
+        def close(self):
+            pass
+
+    out = tmp_path / "data"
+    monkeypatch.setattr(selfdistill, "tqdm", Bar)
+    with pytest.raises(KeyboardInterrupt):
+        generate(_distill_cfg(trainable_base, few_prompts, out, shard_records=100))
+    assert len(_jobs(out)) == 3
+    _manifest_is_the_disk(out)
+    monkeypatch.undo()
+    generate(_distill_cfg(trainable_base, few_prompts, out, resume=True))
+    assert sorted(_jobs(out)) == sorted(_jobs(distilled))
+    _manifest_is_the_disk(out)
+
+
 def test_selfdistill_resume_stops_at_a_damaged_shard(distilled, trainable_base, few_prompts, tmp_path, capsys):
     copy = tmp_path / "data"
     shutil.copytree(distilled, copy)
