@@ -162,10 +162,9 @@ def _pread(fd: int, view: torch.Tensor, begin: int, end: int, what: str) -> None
 
 def _read_fused(model: nn.Module, path: Path, groups: tuple[tuple[str, ...], ...]) -> None:
     """Read the blocks of sibling linears the decoder fuses (``groups``: its family's ``FUSED_LINEARS``, in
-    runs as :func:`fuse_runs`) into
-    one buffer per run, side by side, the modules holding views of it: fusing them then copies nothing.
-    Read with ``pread``, not through the file's mapping, whose pages for them are never touched: the
-    weights are resident once, not also in the mapping (which holds the rest)."""
+    runs as :func:`fuse_runs`) into one buffer per run, side by side, the modules holding views of it:
+    fusing them then copies nothing. Read with ``pread``, not through the file's mapping, whose pages for
+    them are never touched: the weights are resident once, not also in the mapping (which holds the rest)."""
     offsets = _offsets(path)
     names = {m: n for n, m in model.named_modules()}
     fd = os.open(path, os.O_RDONLY)
