@@ -8,7 +8,8 @@
 #   MODEL=qwen-coder ...                              (Qwen2.5-Coder-0.5B-Instruct, on code requests)
 #   MODEL=qwen-coder-1.5b ...                         (Qwen2.5-Coder-1.5B-Instruct on its native Q4_K_M blocks)
 # Stages write under runs/ (ignored by git); the data set is kept in data/ and committed.
-# Env: MODEL (smollm2, smollm2-feature, gemma3, qwen-coder or qwen-coder-1.5b), TOKENS (answer tokens), STEPS (training steps), OUT (adapter dir).
+# Env: MODEL (smollm2, smollm2-feature, gemma3, qwen-coder or qwen-coder-1.5b), TOKENS (answer tokens), STEPS (training steps), OUT (adapter dir),
+#      STORE_TOKENS (store and train on N training tokens, prompts included, a seeded draw of whole answers: a run that fits a session).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_setup.sh
@@ -55,25 +56,27 @@ hispec-selfdistill "${BASE[@]}" --prompts "$PROMPTS" --out "$DATA" --max-tokens 
 
 # runs/<stage>.done holds the data size a finished stage was built from; runs/<stage>.building the size of
 # the one in progress (an interrupted stage of the same size resumes, anything else starts again)
-mode_for() { [ -e "runs/$1" ] && [ "$(cat "runs/$1.building" 2>/dev/null)" = "$TOKENS" ] && echo --resume || echo --overwrite; }
+SIZE=$TOKENS; cap=()
+if [ -n "${STORE_TOKENS:-}" ]; then SIZE=$TOKENS/$STORE_TOKENS; cap=(--max-tokens "$STORE_TOKENS"); fi
+mode_for() { [ -e "runs/$1" ] && [ "$(cat "runs/$1.building" 2>/dev/null)" = "$SIZE" ] && echo --resume || echo --overwrite; }
 
 stamp "feature store (runs/$STORE)"
-if [ "$(cat "runs/$STORE.done" 2>/dev/null)" != "$TOKENS" ]; then
+if [ "$(cat "runs/$STORE.done" 2>/dev/null)" != "$SIZE" ]; then
   mode=$(mode_for "$STORE")
-  echo "$TOKENS" > "runs/$STORE.building"
+  echo "$SIZE" > "runs/$STORE.building"
   hispec-store "${BASE[@]}" --dataset "$DATA" --out "runs/$STORE" --layers "$LAYERS" --eval-sequences 64 \
-    "${STORE_ARGS[@]}" $mode
-  echo "$TOKENS" > "runs/$STORE.done"
+    "${STORE_ARGS[@]}" "${cap[@]}" $mode
+  echo "$SIZE" > "runs/$STORE.done"
 fi
 
 train_run() {  # train_run NAME [recipe overrides...]: runs/NAME from recipes/$RUN.yaml, resumably
   local name=$1; shift
   stamp "heads: $STEPS steps (runs/$name)"
-  if [ "$(cat "runs/$name.done" 2>/dev/null)" != "$TOKENS" ]; then
+  if [ "$(cat "runs/$name.done" 2>/dev/null)" != "$SIZE" ]; then
     mode=$(mode_for "$name")
-    echo "$TOKENS" > "runs/$name.building"
+    echo "$SIZE" > "runs/$name.building"
     hispec-train --recipe "recipes/$RUN.yaml" --max-steps "$STEPS" --output-dir "runs/$name" "$@" $mode
-    echo "$TOKENS" > "runs/$name.done"
+    echo "$SIZE" > "runs/$name.done"
   fi
 }
 train_run "$RUN"
