@@ -9,7 +9,7 @@
 #   MODEL=qwen-coder-1.5b ...                         (Qwen2.5-Coder-1.5B-Instruct on its native Q4_K_M blocks)
 # Stages write under runs/ (ignored by git); the data set is kept in data/ and committed.
 # Env: MODEL (smollm2, smollm2-feature, gemma3, qwen-coder or qwen-coder-1.5b), TOKENS (answer tokens), STEPS (training steps), OUT (adapter dir),
-#      STORE_TOKENS (store and train on N training tokens, prompts included, a seeded draw of whole answers: a run that fits a session).
+#      STORE_TOKENS (store and train on N training tokens, prompts included, a seeded draw of whole sequences: a run that fits a session).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_setup.sh
