@@ -341,3 +341,36 @@ def test_native_records_are_kept_per_block_loop(monkeypatch):
         kinds[kind] = record._precision(native)
     assert kinds == {"avx2": "native-x8", "vnni": "native-x8-vnni", "torch": "native-x8"}
     assert record._precision(SimpleNamespace(decoder=SimpleNamespace(native=False, dtype=torch.bfloat16))) == torch.bfloat16
+
+
+class _Clock:
+    """A clock that moves only when the stand-in model below decodes."""
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _TimedModel:
+    """generate() takes PREFILL seconds for the prompt and STEP per new token, on ``clock``."""
+    PREFILL, STEP = 2.0, 0.05
+    num_layers = 4
+
+    def __init__(self, clock: _Clock) -> None:
+        self.clock = clock
+
+    def generate(self, prompts, max_new_tokens, **kwargs):
+        self.clock.now += self.PREFILL + self.STEP * max_new_tokens
+        return type("Out", (), {"sequences": [[7] * max_new_tokens]})()
+
+
+def test_the_request_overhead_leaves_the_prompts_prefill_out(monkeypatch):
+    """A long prompt's prefill is charged once by the replay: spread over the decoded tokens it would
+    make every plain step look slower by PREFILL / tokens (and speculation faster than it is)."""
+    clock = _Clock()
+    monkeypatch.setattr(derive.time, "perf_counter", clock)
+    costs = _flat_costs([], _TimedModel.num_layers)
+    step = costs.full_step(_TimedModel.num_layers, 1)
+    overhead = derive.request_overhead(_TimedModel(clock), [[1] * 300, [2] * 300], 32, costs)
+    assert overhead == pytest.approx(_TimedModel.STEP - step)

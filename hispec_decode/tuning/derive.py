@@ -182,23 +182,34 @@ def arm_rates(policies: dict[str, Policy], traces: list[Trace], costs: CostModel
             for method, policy in policies.items()}
 
 
+def _decode_seconds(model: Any, prompt: list[int], max_new_tokens: int, **kwargs: Any) -> tuple[float, int]:
+    """Seconds and new tokens of decoding ``prompt`` after its first new token: the whole request timed
+    less the same request stopped after one token (the prompt's prefill and first step)."""
+    t0 = time.perf_counter()
+    model.generate([prompt], max_new_tokens=1, **kwargs)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = model.generate([prompt], max_new_tokens=max_new_tokens, **kwargs)
+    return max(0.0, time.perf_counter() - t0 - first), max(0, len(out.sequences[0]) - 1)
+
+
 def request_overhead(model: Any, prompts: list[list[int]], max_new_tokens: int, costs: CostModel) -> float:
     """What a real decoding step costs beyond its band pass and exit head (plain decoding makes one
-    engine request per token): measured on a few prompts alone, charged to every replayed request."""
+    engine request per token): measured on a few prompts alone, after their prefill, charged to every
+    replayed request."""
     model.generate([prompts[0]], max_new_tokens=4, method="autoregressive")  # warm-up
     tokens, seconds = 0, 0.0
     for prompt in prompts:
-        t0 = time.perf_counter()
-        out = model.generate([prompt], max_new_tokens=max_new_tokens, method="autoregressive")
-        seconds += time.perf_counter() - t0
-        tokens += len(out.sequences[0])
-    return max(0.0, seconds / tokens - costs.full_step(model.num_layers, 1))
+        s, n = _decode_seconds(model, prompt, max_new_tokens, method="autoregressive")
+        seconds, tokens = seconds + s, tokens + n
+    return max(0.0, seconds / max(1, tokens) - costs.full_step(model.num_layers, 1))
 
 
 def speculative_overhead(model: Any, prompts: list[list[int]], traces: list[Trace], layers: list[int],
                          costs: CostModel, eos: frozenset[int]) -> float:
     """What a speculative request (draft, check, verification) costs beyond its passes: the real
-    time of the fixed policy on a few prompts against its replay without that overhead."""
+    time of the fixed policy on a few prompts against its replay without that overhead, both after the
+    prompt's prefill and first token."""
     n = model.num_layers
     if layers:
         fixed = Candidate("hispec", Policy(draft_layer=layers[0], verify_layer=layers[1] if len(layers) > 1 else n,
@@ -207,15 +218,13 @@ def speculative_overhead(model: Any, prompts: list[list[int]], traces: list[Trac
         fixed = Candidate("hispec", Policy(draft_layer=n, verify_layer=n, window=1, num_draft=2,
                                            vocab=min(vocab_sizes(model), default=VOCAB_SIZES[0])), n)
     model.generate([prompts[0]], max_new_tokens=4, **fixed.kwargs())  # warm-up
-    t0 = time.perf_counter()
+    seconds, modelled, requests = 0.0, 0.0, 0
     for prompt, trace in zip(prompts, traces):
-        model.generate([prompt], max_new_tokens=trace.limit - trace.prompt_length, **fixed.kwargs())
-    seconds = time.perf_counter() - t0
-    modelled, requests = 0.0, 0
-    for trace in traces:
-        r = replay(trace, "hispec", fixed.policy, costs, model.num_layers, eos)
-        modelled += r.seconds
-        requests += r.speculative_requests
+        seconds += _decode_seconds(model, prompt, trace.limit - trace.prompt_length, **fixed.kwargs())[0]
+        first = replace(trace, tokens=trace.tokens[: trace.prompt_length + 1], limit=trace.prompt_length + 1)
+        whole, start = (replay(t, "hispec", fixed.policy, costs, n, eos) for t in (trace, first))
+        modelled += whole.seconds - start.seconds
+        requests += whole.speculative_requests - start.speculative_requests
     return max(0.0, (seconds - modelled) / max(1, requests))
 
 
