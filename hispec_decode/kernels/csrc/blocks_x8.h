@@ -70,7 +70,8 @@ inline __m256i scales(__m128i b8) {
 #endif
 }
 
-// 32-value formats: the 8 rows of group g against rows m0 .. m0 + MT of x; acc[r] lane c += out (m0 + r, c)
+// 32-value formats: the 8 rows of group g against rows m0 .. m0 + MT of x; acc[r] lane c += out (m0 + r, c).
+// The 32 inputs go 4 at a time (t), each decoded once for the MT rows, whose sums stay in registers.
 template <int64_t TYPE, int MT>
 inline void x8_dot32(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D, const float* XS, int64_t K,
                      __m256* acc) {
@@ -78,126 +79,127 @@ inline void x8_dot32(const uint8_t* g, int64_t nb, const int8_t* Q, const float*
   constexpr int64_t BYTES = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22 : TYPE == Q5_1 ? 24 : 34;
   constexpr int64_t QS = TYPE == Q4_1 ? 4 : TYPE == Q5_0 ? 6 : TYPE == Q5_1 ? 8 : 2, QH = TYPE == Q5_0 ? 2 : 4;
   constexpr float OFFSET = TYPE == Q4_0 ? 8.f : TYPE == Q5_0 ? 16.f : 0.f;
+  [[maybe_unused]] constexpr int RUN = FIVE ? 4 : 8;  // int16 sums hold this many loads of 5-bit (4-bit) values
   const int64_t KB = K / 32;
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* b = g + blk * 8 * BYTES;
-    const __m256 a = halves8(b);
-    const __m256 coef = MIN ? halves8(b + 16) : _mm256_mul_ps(a, _mm256_set1_ps(-OFFSET));
-    __m256i q[8];  // q[t]: inputs 4t .. 4t + 3 of the 8 rows
-    if constexpr (SIGNED) {
-      for (int t = 0; t < 8; ++t) q[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8 * QS + 32 * t));
-    } else {
-      const __m256i qh = FIVE ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8 * QH)) : _mm256_setzero_si256();
-      for (int i = 0; i < 4; ++i) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8 * QS + 32 * i));
-        q[i] = _mm256_and_si256(v, low);  // inputs 4i ..
-        q[i + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);  // inputs 16 + 4i ..
-        if constexpr (FIVE) {
-          q[i] = _mm256_or_si256(q[i], high_bits(qh, 4 * i));
-          q[i + 4] = _mm256_or_si256(q[i + 4], high_bits(qh, 16 + 4 * i));
+    const __m256i qh = FIVE ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8 * QH)) : _mm256_setzero_si256();
+    __m256i p[MT];
+    [[maybe_unused]] __m256i s[MT];
+    for (int r = 0; r < MT; ++r) p[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {  // inputs 4t .. 4t + 3 of the 8 rows: byte chunk t % 4, its low (t < 4) or high nibbles
+      __m256i q;
+      if constexpr (SIGNED) {
+        q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8 * QS + 32 * t));
+      } else {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8 * QS + 32 * (t % 4)));
+        q = _mm256_and_si256(t < 4 ? v : _mm256_srli_epi16(v, 4), low);
+        if constexpr (FIVE) q = _mm256_or_si256(q, high_bits(qh, 4 * t));
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r) {
+        const __m256i x = bcast4(Q + r * K + blk * 32 + 4 * t);
+#if defined(HISPEC_X8_INT32)  // Q8_0: |q| against x with q's sign
+        p[r] = SIGNED ? dot4(p[r], _mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)) : dot4(p[r], q, x);
+#else
+        if constexpr (SIGNED) {
+          p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q),
+                                                                               _mm256_sign_epi8(x, q)), ones));
+        } else {
+          const __m256i m = _mm256_maddubs_epi16(q, x);
+          s[r] = t % RUN ? _mm256_add_epi16(s[r], m) : m;
+          if (t % RUN == RUN - 1) p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(s[r], ones));
         }
+#endif
       }
     }
+    const __m256 a = halves8(b);
+    const __m256 coef = MIN ? halves8(b + 16) : _mm256_mul_ps(a, _mm256_set1_ps(-OFFSET));
 #pragma GCC unroll 4
     for (int r = 0; r < MT; ++r) {
-      const int8_t* x = Q + r * K + blk * 32;
-      __m256i p;
-#if defined(HISPEC_X8_INT32)
-      p = _mm256_setzero_si256();
-      for (int t = 0; t < 8; ++t)  // q[t]: inputs 4t .. 4t + 3 (Q8_0: |q| against x with q's sign)
-        p = SIGNED ? dot4(p, _mm256_sign_epi8(q[t], q[t]), _mm256_sign_epi8(bcast4(x + 4 * t), q[t]))
-                   : dot4(p, q[t], bcast4(x + 4 * t));
-#else
-      if constexpr (SIGNED) {
-        p = _mm256_setzero_si256();
-        for (int t = 0; t < 8; ++t)
-          p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q[t], q[t]),
-                                                                         _mm256_sign_epi8(bcast4(x + 4 * t), q[t])), ones));
-      } else if constexpr (FIVE) {
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int t = 0; t < 4; ++t) {
-          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(q[t], bcast4(x + 4 * t)));
-          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(q[t + 4], bcast4(x + 16 + 4 * t)));
-        }
-        p = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
-      } else {
-        __m256i s = _mm256_setzero_si256();
-        for (int t = 0; t < 8; ++t) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(q[t], bcast4(x + 4 * t)));
-        p = _mm256_madd_epi16(s, ones);
-      }
-#endif
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(a, _mm256_set1_ps(D[r * KB + blk])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[r]), _mm256_mul_ps(a, _mm256_set1_ps(D[r * KB + blk])), acc[r]);
       if constexpr (!SIGNED) acc[r] = _mm256_fmadd_ps(coef, _mm256_set1_ps(XS[r * KB + blk]), acc[r]);
     }
   }
 }
+
+// The K formats go one sub-block (32 inputs) at a time for a tile of several rows, so that its sums stay
+// in registers (one row: all the sub-blocks a load of quants holds); scales are decoded where they are
+// used, mins and offsets after the last sub-block.
 
 // Q4_K / Q5_K: d [8 halves] dmin [8 halves] 12 planes of packed scales, (Q5_K: qh 32 chunks of 4), qs 32 chunks
 template <bool FIVE, int MT>
 inline void x8_q45k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D, const int16_t* BS, int64_t K,
                     __m256* acc) {
   constexpr int64_t BYTES = FIVE ? 176 : 144;
+  constexpr int PASS = MT == 1 ? 2 : 1;  // sub-blocks per pass over the quants: both nibbles of a load for one row
   const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const __m128i m6 = _mm_set1_epi8(63), m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(3);
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* b = g + blk * 8 * BYTES;
-    const __m256 d = halves8(b), dmin = halves8(b + 16);
-    __m256i sc[8], mn[8];  // sub-block s's scale (HISPEC_X8_INT32: int32) and min of row c as an int16 pair in lane c
-    {
-      auto plane = [&](int i) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 32 + 8 * i)); };
-      const __m128i m6 = _mm_set1_epi8(63), m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(3);
-      for (int s = 0; s < 4; ++s) {
-        sc[s] = scales(_mm_and_si128(plane(s), m6));
-        mn[s] = pairs_u8(_mm_and_si128(plane(s + 4), m6));
-        const __m128i top_sc = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(plane(s), 6), m2), 4);
-        const __m128i top_mn = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(plane(s + 4), 6), m2), 4);
-        sc[s + 4] = scales(_mm_or_si128(_mm_and_si128(plane(s + 8), m4), top_sc));
-        mn[s + 4] = pairs_u8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(plane(s + 8), 4), m4), top_mn));
-      }
-    }
+    auto plane = [&](int i) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 32 + 8 * i)); };
+    auto top = [&](int i) { return _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(plane(i), 6), m2), 4); };
+    // sub-block s's 6-bit scale and min, one byte per row (ggml's get_scale_min_k4)
+    auto scale8 = [&](int s) { return s < 4 ? _mm_and_si128(plane(s), m6) : _mm_or_si128(_mm_and_si128(plane(s + 4), m4), top(s - 4)); };
+    auto min8 = [&](int s) {
+      return s < 4 ? _mm_and_si128(plane(s + 4), m6) : _mm_or_si128(_mm_and_si128(_mm_srli_epi16(plane(s + 4), 4), m4), top(s));
+    };
     const uint8_t* qh = b + 8 * 16;
     const uint8_t* qs = b + 8 * (FIVE ? 48 : 16);
     __m256i iacc[MT];
     for (int r = 0; r < MT; ++r) iacc[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {  // sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles)
-      __m256i slo[MT], shi[MT];
-      for (int r = 0; r < MT; ++r) slo[r] = shi[r] = _mm256_setzero_si256();
-      for (int t = 0; t < 8; ++t) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (8 * j + t)));
-        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        if constexpr (FIVE) {
-          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * t));
-          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * j)), one), 4));
-          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * j + 1)), one), 4));
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < MT; ++r) {
-          const int8_t* x = Q + r * K + blk * 256 + 64 * j + 4 * t;
-#if defined(HISPEC_X8_INT32)
-          slo[r] = dot4(slo[r], lo, bcast4(x));
-          shi[r] = dot4(shi[r], hi, bcast4(x + 32));
-        }
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < MT; ++r)
-        iacc[r] = _mm256_add_epi32(iacc[r], _mm256_add_epi32(_mm256_mullo_epi32(slo[r], sc[2 * j]),
-                                                             _mm256_mullo_epi32(shi[r], sc[2 * j + 1])));
-#else
-          slo[r] = _mm256_add_epi16(slo[r], _mm256_maddubs_epi16(lo, bcast4(x)));
-          shi[r] = _mm256_add_epi16(shi[r], _mm256_maddubs_epi16(hi, bcast4(x + 32)));
-        }
-        if (t == 7 || (FIVE && t == 3)) {  // 5-bit values: int16 holds 4 loads' sums, 4-bit values 8
+#pragma GCC unroll 8
+    for (int s0 = 0; s0 < 8; s0 += PASS) {  // sub-blocks s0 .. s0 + PASS - 1 (inputs 32s ..: nibble s % 2 of chunks 8 (s / 2) ..)
+      __m256i sum[PASS][MT];
+      for (int u = 0; u < PASS; ++u)
+        for (int r = 0; r < MT; ++r) sum[u][r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int t = 0; t < 8; ++t) {  // (unrolled further, the compiler sums the products as a tree and spills)
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (8 * (s0 / 2) + t)));
+        [[maybe_unused]] const __m256i h = FIVE ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * t)) : v;
+#pragma GCC unroll 2
+        for (int u = 0; u < PASS; ++u) {
+          const int s = s0 + u;
+          __m256i q = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+          if constexpr (FIVE)  // bit s of qh
+            q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(s)), one), 4));
 #pragma GCC unroll 4
           for (int r = 0; r < MT; ++r) {
-            iacc[r] = _mm256_add_epi32(iacc[r], _mm256_add_epi32(_mm256_madd_epi16(slo[r], sc[2 * j]),
-                                                                 _mm256_madd_epi16(shi[r], sc[2 * j + 1])));
-            slo[r] = shi[r] = _mm256_setzero_si256();
+            const __m256i x = bcast4(Q + r * K + blk * 256 + 32 * s + 4 * t);
+#if defined(HISPEC_X8_INT32)
+            sum[u][r] = dot4(sum[u][r], q, x);
+#else
+            sum[u][r] = _mm256_add_epi16(sum[u][r], _mm256_maddubs_epi16(q, x));
+#endif
           }
         }
+#if !defined(HISPEC_X8_INT32)
+        if (t == 7 || (FIVE && t == 3)) {  // 5-bit values: int16 holds 4 loads' sums, 4-bit values 8
+          for (int u = 0; u < PASS; ++u) {
+            const __m256i sc = scales(scale8(s0 + u));  // row c's scale as an int16 pair in lane c
+#pragma GCC unroll 4
+            for (int r = 0; r < MT; ++r) {
+              iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(sum[u][r], sc));
+              sum[u][r] = _mm256_setzero_si256();
+            }
+          }
+        }
+#endif
+      }
+#if defined(HISPEC_X8_INT32)
+      for (int u = 0; u < PASS; ++u) {
+        const __m256i sc = scales(scale8(s0 + u));  // int32 lanes
+#pragma GCC unroll 4
+        for (int r = 0; r < MT; ++r) iacc[r] = _mm256_add_epi32(iacc[r], _mm256_mullo_epi32(sum[u][r], sc));
       }
 #endif
     }
+    const __m256 d = halves8(b), dmin = halves8(b + 16);
+    __m256i mn[8];  // sub-block s's min of row c as an int16 pair in lane c
+    for (int s = 0; s < 8; ++s) mn[s] = pairs_u8(min8(s));
 #pragma GCC unroll 4
     for (int r = 0; r < MT; ++r) {
       const float dx = D[r * (K / 256) + blk];
@@ -214,53 +216,54 @@ inline void x8_q45k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* 
 template <int MT>
 inline void x8_q6k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D, const int16_t* BS, int64_t K,
                    __m256* acc) {
-  const __m256i mask16 = _mm256_set1_epi32(0xFFFF);
+  constexpr int PASS = MT == 1 ? 4 : 1;  // groups per pass over the quants: all four of a load for one row
+  const __m256i mask16 = _mm256_set1_epi32(0xFFFF), low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* b = g + blk * 8 * 210;
-    const __m256 d = halves8(b);
-    __m256i sc[16], pair[8];  // sc[k]: scale k of row c as (s, s) in lane c (HISPEC_X8_INT32: s); pair[i]: (s_2i, s_2i+1)
-    for (int k = 0; k < 16; ++k) {
-      const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 16 + 8 * k)));
-#if defined(HISPEC_X8_INT32)
-      sc[k] = w;
-#else
-      sc[k] = _mm256_or_si256(_mm256_and_si256(w, mask16), _mm256_slli_epi32(w, 16));
-#endif
-      if (k % 2) pair[k / 2] = _mm256_or_si256(_mm256_and_si256(sc[k - 1], mask16), _mm256_slli_epi32(w, 16));
-    }
+    // scale k of row c, sign-extended to int32 lane c
+    auto scale32 = [&](int k) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 16 + 8 * k))); };
     __m256i iacc[MT];
     for (int r = 0; r < MT; ++r) iacc[r] = _mm256_setzero_si256();
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* ql = b + 144 + 768 * h;  // this half's 64 bytes of ql per row, then its 32 of qh
-      const uint8_t* qh = ql + 512;
-      __m256i s16[MT][4];  // (HISPEC_X8_INT32: int32 sums) inputs 128h + 32j + l: ql[64h + 32 (j & 1) + l], nibble j / 2, qh bits 2j
+    for (int s0 = 0; s0 < 8; s0 += PASS) {  // groups s0 .. s0 + PASS - 1 (inputs 32s ..: half s / 4, group s % 4 of it)
+      const uint8_t* ql = b + 144 + 768 * (s0 / 4);  // group j: the low (j < 2) or high nibbles of chunks 8 (j % 2) ..
+      const uint8_t* qh = ql + 512;  // and bits 2j, 2j + 1 of qh
+      __m256i sum[PASS][MT], sc[PASS];
+#pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
-        const __m256i L0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * t));
-        const __m256i L1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * (8 + t)));
         const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * t));
-        __m256i q[4];
-        q6_values(L0, L1, H, q);
 #pragma GCC unroll 4
-        for (int r = 0; r < MT; ++r) {
-          const int8_t* x = Q + r * K + blk * 256 + 128 * h + 4 * t;
+        for (int u = 0; u < PASS; ++u) {
+          const int s = s0 + u, j = s % 4;
+          if (t % 4 == 0) {  // 16 inputs, one scale: (HISPEC_X8_INT32: s) or (s, s) in lane c
+            const __m256i w = scale32(2 * s + t / 4);
 #if defined(HISPEC_X8_INT32)
-          for (int j = 0; j < 4; ++j)
-            s16[r][j] = dot4(t % 4 ? s16[r][j] : _mm256_setzero_si256(), q[j], bcast4(x + 32 * j));
-          if (t % 4 == 3)  // 16 inputs, one scale
-            for (int j = 0; j < 4; ++j)
-              iacc[r] = _mm256_add_epi32(iacc[r], _mm256_mullo_epi32(s16[r][j], sc[8 * h + 2 * j + t / 4]));
+            sc[u] = w;
 #else
-          for (int j = 0; j < 4; ++j) {
-            const __m256i p = _mm256_maddubs_epi16(q[j], bcast4(x + 32 * j));
-            s16[r][j] = t % 2 ? _mm256_add_epi16(s16[r][j], p) : p;
-          }
-          if (t % 2)  // 6-bit values: int16 holds 2 loads' sums
-            for (int j = 0; j < 4; ++j)
-              iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(s16[r][j], sc[8 * h + 2 * j + t / 4]));
+            sc[u] = _mm256_or_si256(_mm256_and_si256(w, mask16), _mm256_slli_epi32(w, 16));
 #endif
+          }
+          const __m256i L = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * (8 * (j % 2) + t)));
+          const __m256i q = _mm256_or_si256(_mm256_and_si256(j < 2 ? L : _mm256_srli_epi16(L, 4), low),
+                                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * j)), three), 4));
+#pragma GCC unroll 4
+          for (int r = 0; r < MT; ++r) {
+            const __m256i x = bcast4(Q + r * K + blk * 256 + 32 * s + 4 * t);
+#if defined(HISPEC_X8_INT32)
+            sum[u][r] = dot4(t % 4 ? sum[u][r] : _mm256_setzero_si256(), q, x);
+            if (t % 4 == 3) iacc[r] = _mm256_add_epi32(iacc[r], _mm256_mullo_epi32(sum[u][r], sc[u]));
+#else
+            const __m256i p = _mm256_maddubs_epi16(q, x);
+            sum[u][r] = t % 2 ? _mm256_add_epi16(sum[u][r], p) : p;
+            if (t % 2) iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(sum[u][r], sc[u]));  // 6-bit values: 2 loads
+#endif
+          }
         }
       }
     }
+    const __m256 d = halves8(b);
+    __m256i pair[8];  // (s_2i, s_2i+1) of row c as int16 in lane c
+    for (int i = 0; i < 8; ++i)
+      pair[i] = _mm256_or_si256(_mm256_and_si256(scale32(2 * i), mask16), _mm256_slli_epi32(scale32(2 * i + 1), 16));
 #pragma GCC unroll 4
     for (int r = 0; r < MT; ++r) {
       const int8_t* sums = reinterpret_cast<const int8_t*>(BS + r * (K / 16) + blk * 16);
