@@ -250,6 +250,6 @@ def machine_costs(model: Any, traces: list[Trace]) -> CostModel:
     short = []  # the first tokens of each trace: what the speculative decode below makes
     for t in traces[:OVERHEAD_PROMPTS]:
         end = t.prompt_length + min(OVERHEAD_TOKENS, len(t.tokens) - t.prompt_length)
-        short.append(Trace(t.tokens[:end], t.prompt_length, end, t.top, t.conf, t.top_true, t.conf_true))
+        short.append(replace(t, tokens=t.tokens[:end], limit=end))
     costs.speculative_request = speculative_overhead(model, prompts, short, layers, costs, model.decoder.default_eos_ids())
     return costs
