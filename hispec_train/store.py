@@ -29,7 +29,7 @@ import json
 import logging
 import random
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -213,13 +213,21 @@ def check_out(cfg: StoreConfig) -> StoreManifest | None:
     return None
 
 
+def grows(before: StoreManifest, cfg: StoreConfig) -> bool:
+    """Whether ``cfg`` asks for more training tokens than the store was planned with (``None``: all).
+    The seeded order is the same, so the shards planned before are kept, but for the last one."""
+    cap = before.plan.get("max_tokens")
+    return cap is not None and (cfg.max_tokens is None or cfg.max_tokens > cap)
+
+
 def _planned_ids(seqs: list[list[int]], shard: list[int]) -> torch.Tensor:
     return torch.tensor([t for i in shard for t in seqs[i]], dtype=torch.int32)
 
 
 def check_shard(path: Path, expected: torch.Tensor, keys: list[str], listed: bool) -> bool:
-    """Whether the shard at ``path`` is complete and holds exactly the planned tokens: False if it
-    is missing; a damaged shard, or one that holds other tokens, stops the resume with its name."""
+    """Whether the shard at ``path`` is complete and holds exactly the planned tokens: False if it is
+    missing, or unlisted and holding other tokens; a damaged shard, or a listed one that holds other
+    tokens, stops the resume with its name."""
     if not path.is_file():
         if listed:
             logger.warning("shard %s listed in %s is missing: it is computed again", path.name, STORE_MANIFEST)
@@ -234,6 +242,10 @@ def check_shard(path: Path, expected: torch.Tensor, keys: list[str], listed: boo
     if missing:
         raise HiSpecError(f"shard {path} lacks {', '.join(missing)}; {advice}")
     if not torch.equal(ids, expected):
+        if not listed:  # the last shard of a store planned with a smaller --max-tokens
+            logger.info("shard %s holds %d of the %d tokens this plan puts there (cut short by a smaller "
+                        "--max-tokens): it is computed again, whole", path.name, ids.numel(), expected.numel())
+            return False
         raise HiSpecError(f"shard {path} holds other tokens than this store's plan ({ids.numel()} tokens, "
                           f"{expected.numel()} planned); {advice}")
     if not listed:
@@ -278,17 +290,21 @@ def build_store(cfg: StoreConfig) -> StoreManifest:
     keys = [*(f"hidden.{l}" for l in cfg.layers), "final", "input_ids", "offsets"]
     done: dict[str, dict[int, dict[str, int | str]]] = {s: {} for s in SPLITS}
     if before is not None:
-        changed = [k for k in ("layers", "dtype", "dataset", "num_sequences", "plan") if getattr(before, k) != getattr(manifest, k)]
+        changed = [k for k in ("layers", "dtype", "dataset", "num_sequences") if getattr(before, k) != getattr(manifest, k)]
         if not fingerprints_match(before.fingerprint, manifest.fingerprint):
             changed.insert(0, "base")
+        changed += [k for k in PLAN_KEYS if before.plan.get(k) != manifest.plan[k] and not (k == "max_tokens" and grows(before, cfg))]
         if changed:
             raise HiSpecError(f"--resume: {', '.join(changed)} differ from the store being resumed (a data set that "
-                              f"grew, or other shard settings, need a new store: --overwrite)")
+                              f"grew, or other shard settings, need a new store: --overwrite; a larger --max-tokens "
+                              f"grows it)")
+        old_plan = plan_shards(seqs, replace(cfg, max_tokens=before.plan["max_tokens"]))
         for split in SPLITS:
             listed = {str(e["file"]) for e in before.shards[split]}
             for index, shard in enumerate(plan[split]):
                 name = SHARD_NAME.format(split=split, index=index)
-                if check_shard(out / name, _planned_ids(seqs, shard), keys, name in listed):
+                cut_short = index < len(old_plan[split]) and old_plan[split][index] != shard  # by the old cap
+                if check_shard(out / name, _planned_ids(seqs, shard), keys, name in listed and not cut_short):
                     done[split][index] = {"file": name, "tokens": sum(len(seqs[i]) for i in shard),
                                           "sequences": len(shard)}
     if cfg.overwrite:  # only now that everything checked out

@@ -162,9 +162,43 @@ def test_store_resume_rewrites_only_missing_shards(store, distilled, trainable_b
     with pytest.raises(HiSpecError, match="layers"):
         build_store(StoreConfig(str(distilled), str(copy), [1, 3], base=str(trainable_base), dtype="float32",
                                 eval_sequences=6, shard_tokens=300, batch_tokens=200, resume=True))
-    with pytest.raises(HiSpecError, match="plan"):  # other shard boundaries would duplicate or drop sequences
+    with pytest.raises(HiSpecError, match="shard_tokens"):  # other shard boundaries would duplicate or drop sequences
         build_store(StoreConfig(str(distilled), str(copy), [1, 2, 3], base=str(trainable_base), dtype="float32",
                                 eval_sequences=6, shard_tokens=500, batch_tokens=200, resume=True))
+
+
+def test_a_larger_max_tokens_grows_the_store_to_the_one_built_whole(store, distilled, trainable_base, tmp_path):
+    def build(out, **kw):
+        return build_store(StoreConfig(str(distilled), str(out), [1, 2, 3], base=str(trainable_base), dtype="float32",
+                                       eval_sequences=6, shard_tokens=300, batch_tokens=200, **kw))
+
+    whole = StoreManifest.load(store)
+    small = build(tmp_path / "grown", max_tokens=450)  # one whole shard and one cut short
+    assert len(small.shards["train"]) == 2 and small.shards["train"][1]["tokens"] < whole.shards["train"][1]["tokens"]
+    first = (tmp_path / "grown" / small.shards["train"][0]["file"]).stat().st_mtime_ns
+    with pytest.raises(HiSpecError, match="max_tokens"):  # a store does not shrink
+        build(tmp_path / "grown", max_tokens=300, resume=True)
+    grown = build(tmp_path / "grown", resume=True)  # no cap: the whole data set
+    assert grown.shards == whole.shards and grown.plan == whole.plan
+    assert (tmp_path / "grown" / small.shards["train"][0]["file"]).stat().st_mtime_ns == first  # kept
+    for entry in whole.shards["train"]:
+        assert (tmp_path / "grown" / entry["file"]).read_bytes() == (store / entry["file"]).read_bytes()
+
+
+def test_a_growth_killed_after_its_manifest_computes_the_short_shard_again(store, distilled, trainable_base, tmp_path):
+    def build(**kw):
+        return build_store(StoreConfig(str(distilled), str(tmp_path / "s"), [1, 2, 3], base=str(trainable_base),
+                                       dtype="float32", eval_sequences=6, shard_tokens=300, batch_tokens=200, **kw))
+
+    small = build(max_tokens=450)
+    manifest = json.loads((tmp_path / "s" / STORE_MANIFEST).read_text())
+    short = manifest["shards"]["train"].pop()  # as the grown run's first save leaves it, cap raised
+    manifest["plan"]["max_tokens"] = None
+    (tmp_path / "s" / STORE_MANIFEST).write_text(json.dumps(manifest))
+    grown = build(resume=True)
+    assert grown.shards == StoreManifest.load(store).shards
+    assert (tmp_path / "s" / short["file"]).read_bytes() == (store / short["file"]).read_bytes()
+    assert small.shards["train"][1]["tokens"] < grown.shards["train"][1]["tokens"]
 
 
 def test_store_refuses_missing_layers_other_bases_and_damaged_shards(store, tmp_path):
