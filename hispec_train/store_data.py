@@ -9,11 +9,14 @@ what the uninterrupted run would have.
 
 from __future__ import annotations
 
+import json
+import mmap
+import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from hispec_decode.adapter.fingerprint import fingerprint_id, fingerprints_match
 from hispec_decode.errors import HiSpecError
@@ -33,9 +36,47 @@ class FeatureBatch:
         return int(self.valid.sum())
 
 
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
+                      "I64": torch.int64}
+
+
+def mapped_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    """``keys`` of a safetensors file as read-only tensors over a memory map of it: a window's pages
+    are read when a batch copies it out, and the kernel may drop them again, so a store larger than
+    memory still trains (from the page cache where it fits). A short or malformed file raises
+    ``ValueError`` naming what is wrong."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= size - 8:
+            raise ValueError(f"not a safetensors file ({size} bytes, header length {length})")
+        header = json.loads(f.read(length))
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    out = {}
+    for key in keys:
+        if key not in header:
+            raise ValueError(f"no tensor {key!r}")
+        meta = header[key]
+        dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
+        begin, end = meta["data_offsets"]
+        count = 1
+        for n in meta["shape"]:
+            count *= n
+        if dtype is None or end - begin != count * dtype.itemsize or 8 + length + end > size:
+            raise ValueError(f"tensor {key!r} ({meta['dtype']}, shape {meta['shape']}, bytes {begin}..{end}) does "
+                             f"not fit the file's {size} bytes")
+        with warnings.catch_warnings():  # a read-only map: batches copy windows out, nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = (torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + length + begin) if count
+                    else torch.empty(0, dtype=dtype))
+        out[key] = flat.view(meta["shape"])
+    return out
+
+
 class FeatureStore:
-    """A store's split, its shards read into memory (the requested layers only); windows are
-    copied out per batch."""
+    """A store's split, its shards memory-mapped (:func:`mapped_tensors`); windows are copied out per
+    batch."""
 
     def __init__(self, directory: str | Path, layers: list[int], split: str, fingerprint: dict | None = None) -> None:
         self.manifest = StoreManifest.load(directory)
@@ -56,11 +97,9 @@ class FeatureStore:
             if not path.is_file():
                 raise HiSpecError(f"feature store {directory}: shard {path.name} listed in {STORE_MANIFEST} is missing")
             try:
-                with safe_open(str(path), framework="pt") as f:
-                    tensors = {k: f.get_tensor(k) for k in [*(f"hidden.{l}" for l in layers), "final", "input_ids", "offsets"]}
-            except Exception as exc:  # safetensors raises its own error types for damaged files
+                self.shards.append(mapped_tensors(path, [*(f"hidden.{l}" for l in layers), "final", "input_ids", "offsets"]))
+            except (ValueError, KeyError, TypeError) as exc:  # json's errors are ValueErrors
                 raise HiSpecError(f"feature store shard {path} is damaged ({exc})") from exc
-            self.shards.append(tensors)
         # every stored sequence as (shard, start, length)
         self.sequences = [(s, int(o[i]), int(o[i + 1] - o[i])) for s, t in enumerate(self.shards)
                           for o in [t["offsets"]] for i in range(len(o) - 1)]

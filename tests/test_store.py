@@ -216,9 +216,27 @@ def test_store_refuses_missing_layers_other_bases_and_damaged_shards(store, tmp_
     broken = tmp_path / "broken"
     shutil.copytree(store, broken)
     manifest = StoreManifest.load(broken)
-    (broken / manifest.shards["train"][0]["file"]).write_bytes(b"not safetensors")
-    with pytest.raises(HiSpecError, match="damaged"):
-        FeatureStore(broken, [1, 3], "train")
+    shard = broken / manifest.shards["train"][0]["file"]
+    whole = shard.read_bytes()
+    for damage in (b"not safetensors", whole[: len(whole) - 8], whole[:4]):  # garbage, cut short in the data, the header
+        shard.write_bytes(damage)
+        with pytest.raises(HiSpecError, match="damaged"):
+            FeatureStore(broken, [1, 3], "train")
+
+
+def test_mapped_shards_hold_what_safetensors_reads(store):
+    from safetensors import safe_open
+
+    from hispec_train.store_data import mapped_tensors
+
+    for entry in StoreManifest.load(store).shards["train"]:
+        path = store / entry["file"]
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+            mapped = mapped_tensors(path, keys)
+            for key in keys:
+                expected = f.get_tensor(key)
+                assert mapped[key].dtype == expected.dtype and torch.equal(mapped[key], expected), key
 
 
 def test_store_batch_equals_a_base_forward_of_the_same_window(store, trainable_base):
