@@ -1,4 +1,4 @@
-"""``hispec-export RUN_DIR --out DIR [--exit-vocab-size K] [--with-exits ADAPTER[:L,...]] [--vocab-from DIR] [--overwrite] [--push-to-hub REPO_ID] ...``.
+"""``hispec-export RUN_DIR --out DIR [--exit-vocab-size K] [--layers L,...] [--with-exits ADAPTER[:L,...]] [--vocab-from DIR] [--overwrite] [--push-to-hub REPO_ID] ...``.
 
 Writes the adapter of a training run (config, heads-only safetensors) plus a ``README.md``
 model card with the base, its fingerprint, the exits, the training data and steps, and the
@@ -8,6 +8,7 @@ retraining: the heads are trained on the full vocabulary) and measures the held-
 with that vocabulary for the card. ``--with-exits ADAPTER[:L,...]`` carries exits of another
 adapter for the same base into the export (all of its exits, or layers ``L,...``), with their roles
 and weights unchanged: a run that trained a new draft head ships beside an earlier intermediate one.
+``--layers L,...`` ships only some of the run's exits (candidates trained for the layer curve stay out).
 
 The vocabulary level's token ranking (``hispec_vocab.safetensors``: how often the base emitted each
 token) is counted from the run's self-distilled answers, read from its data set or from the data set
@@ -37,7 +38,7 @@ from hispec_decode.models import LoadedBase, load_base
 from hispec_decode.models.loading import DEFAULT_BASE, PACKAGED_BASES, packaged_base_dir
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import atomic_directory, check_writable, is_temporary
-from hispec_decode.tools.cli import add_debug_arg, non_negative_int, run_cli
+from hispec_decode.tools.cli import add_debug_arg, non_negative_int, positive_int_list, run_cli
 from hispec_decode.adapter import fingerprint_id, fingerprints_match
 from hispec_decode.adapter.fingerprint import compute_fingerprint
 from hispec_decode.adapter.vocabulary import VOCAB_NAME, save_weights, weights_from_tokens
@@ -201,6 +202,28 @@ def check_out_dir(run_dir: Path, out: Path, overwrite: bool = False) -> None:
     check_writable(dest.parent, "the parent of --out")
 
 
+def keep_exits(adapter: HiSpecAdapter, layers: list[int]) -> None:
+    """Drop every exit but those at ``layers`` (a run trained candidates; an adapter ships the ones its
+    policy uses). A vacant draft role passes to the shallowest kept exit, then a vacant intermediate
+    role to the shallowest kept exit without a role, so the roles that fill an untuned policy stay in
+    depth order."""
+    cfg = adapter.config
+    available = [e.layer for e in cfg.exits]
+    missing = sorted(set(layers) - set(available))
+    if missing or not layers:
+        raise HiSpecError(f"--layers: no exit at layer(s) {missing} in this run (it has {available})" if missing
+                          else "--layers: name at least one exit")
+    cfg.exits = [e for e in cfg.exits if e.layer in layers]
+    adapter.heads = torch.nn.ModuleDict({k: h for k, h in adapter.heads.items() if int(k) in layers})
+    if cfg.layer_for("draft") is None:  # the shallowest kept exit drafts
+        cfg.exits[0].role = "draft"
+    spare = next((e for e in cfg.exits if e.role == "extra"), None)
+    if cfg.layer_for("intermediate") is None and spare is not None:  # the next kept one checks
+        spare.role = "intermediate"
+    cfg.validate()
+    cfg.training["exits_shipped"] = sorted(layers)
+
+
 def add_exits(adapter: HiSpecAdapter, other: HiSpecAdapter, layers: list[int] | None = None,
               source_name: str = "") -> list[int]:
     """Carry ``other``'s exits at ``layers`` (default: all) into ``adapter``, roles and weights unchanged;
@@ -236,12 +259,14 @@ def add_exits(adapter: HiSpecAdapter, other: HiSpecAdapter, layers: list[int] | 
 
 
 def export(run_dir: Path, out: Path, exit_vocab_size: int = 0, overwrite: bool = False,
-           with_exits: tuple[Path, list[int] | None] | None = None, vocab_from: Path | None = None) -> HiSpecAdapter:
+           with_exits: tuple[Path, list[int] | None] | None = None, vocab_from: Path | None = None,
+           layers: list[int] | None = None) -> HiSpecAdapter:
     """Write the run's heads (``run_dir/checkpoint``) to ``out`` as an adapter with a model card,
     atomically: ``out`` holds the previous export or the new one, never a mixture. ``with_exits``:
     (adapter directory, layers or None for all) whose exits are added (:func:`add_exits`);
     ``vocab_from``: the self-distilled data set that ranks the vocabulary level's tokens (default:
-    the run's own, :func:`selfdistilled_source`)."""
+    the run's own, :func:`selfdistilled_source`); ``layers``: ship only the run's exits at these layers
+    (:func:`keep_exits`)."""
     checkpoint = run_dir / CHECKPOINT_DIR
     checkpoint_step(run_dir)  # clean up (or restore) what a killed save left
     if not (checkpoint / CONFIG_NAME).is_file():
@@ -253,6 +278,8 @@ def export(run_dir: Path, out: Path, exit_vocab_size: int = 0, overwrite: bool =
     loaded = load_base(cfg.base, "float32") if block_heads or exit_vocab_size else None
     decoder = decoder_for(loaded.model, pack_weights=False) if block_heads else None
     adapter = HiSpecAdapter.from_pretrained(checkpoint, decoder=decoder)
+    if layers is not None:
+        keep_exits(adapter, layers)
     report = _read_json(run_dir / EVAL_NAME) if (run_dir / EVAL_NAME).is_file() else {"untrained": {}, "history": [], "window": 0}
     report["trained_exit_vocab_size"] = adapter.config.training.get("exit_vocab_size")  # what "trained head" was measured with
     if exit_vocab_size:
@@ -300,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restrict the early exits to the K most frequent training tokens (measured for the card)")
     p.add_argument("--with-exits", metavar="ADAPTER[:L,...]", default=None,
                    help="also ship these exits of another adapter for the same base (all, or layers L,...)")
+    p.add_argument("--layers", type=positive_int_list, default=None, metavar="L,...",
+                   help="ship only the run's exits at these layers (default: all it trained)")
     p.add_argument("--vocab-from", type=Path, default=None, metavar="DIR",
                    help="self-distilled data set whose answers rank the vocabulary level's tokens (default: the run's)")
     p.add_argument("--overwrite", action="store_true",
@@ -318,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     adapter = export(args.run_dir, args.out, args.exit_vocab_size, args.overwrite, _with_exits(args.with_exits),
-                     args.vocab_from)
+                     args.vocab_from, args.layers)
     vocab = f", {VOCAB_NAME}" if adapter.vocab_path is not None else ""
     print(f"wrote {args.out}: {CONFIG_NAME}, {WEIGHTS_NAME}, {MODEL_CARD_NAME}{vocab}")
     if args.push_to_hub:

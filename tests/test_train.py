@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import socket
@@ -159,6 +161,31 @@ def test_exit_vocabulary_training_export_and_decoding(trained_run, trainable_bas
     ids = torch.tensor([prompt])
     ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
     assert model.generate([prompt], max_new_tokens=20).sequences[0] == ref[0, len(prompt):].tolist()[:20]
+
+
+def test_export_ships_only_the_exits_named(trained_run, trainable_base, tmp_path, capsys):
+    """``--layers``: the candidates a run trained stay out of the adapter; the vacated draft role passes
+    to the shallowest kept exit, whose weights are the run's; the export decodes equal to transformers."""
+    from hispec_train import export as export_cli
+
+    out = tmp_path / "only3"
+    assert export_cli.main([str(trained_run), "--out", str(out), "--layers", "3"]) == 0
+    shipped = HiSpecAdapter.from_pretrained(out)
+    assert [(e.layer, e.role) for e in shipped.config.exits] == [(3, "draft")]
+    run = HiSpecAdapter.from_pretrained(trained_run / "checkpoint").state_dict_flat()
+    assert shipped.state_dict_flat().keys() == {k for k in run if k.startswith("3.")}
+    assert all(torch.equal(v, run[k]) for k, v in shipped.state_dict_flat().items())
+    assert "| 1 |" not in (out / "README.md").read_text() and "| 3 | draft |" in (out / "README.md").read_text()
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(out))
+    prompt = [5, 9, 2, 6, 7, 1, 3]
+    ids = torch.tensor([prompt])
+    ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    assert model.generate([prompt], max_new_tokens=16, method="hispec").sequences[0] == ref[0, len(prompt):].tolist()
+    for arg, match in (("2", "no exit at layer"), ("x", "not an integer")):
+        with pytest.raises(SystemExit) if arg == "x" else contextlib.nullcontext():
+            assert export_cli.main([str(trained_run), "--out", str(tmp_path / "bad"), "--layers", arg]) == 2
+        assert match in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
 
 
 def test_export_with_exits_of_another_adapter(trained_run, trainable_base, tmp_path, capsys):
