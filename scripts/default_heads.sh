@@ -63,6 +63,8 @@ mode_for() { [ -e "runs/$1" ] && [ "$(cat "runs/$1.building" 2>/dev/null)" = "$S
 stamp "feature store (runs/$STORE)"
 if [ "$(cat "runs/$STORE.done" 2>/dev/null)" != "$SIZE" ]; then
   mode=$(mode_for "$STORE")
+  # a store of the same data set resumes even with another cap: a larger one (or none) grows it
+  if [ -e "runs/$STORE" ] && [ "$(cut -d/ -f1 "runs/$STORE.building" 2>/dev/null)" = "$TOKENS" ]; then mode=--resume; fi
   echo "$SIZE" > "runs/$STORE.building"
   hispec-store "${BASE[@]}" --dataset "$DATA" --out "runs/$STORE" --layers "$LAYERS" --eval-sequences 64 \
     "${STORE_ARGS[@]}" "${cap[@]}" $mode
