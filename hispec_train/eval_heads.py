@@ -8,7 +8,9 @@ Per adapter and head: top-1 and top-4 agreement with the final layer of the firs
 verification, the acceptance of each position of a chain the head drafts alone (steps 1..4, each given
 that every earlier draft was right), the expected accepted length of such a chain, the calibration, and
 with ``--costs`` what one token's pass to the exit costs (layers and head) over a full decoding step on
-this machine. Writes ``OUT.json`` and ``OUT.png``.
+this machine. ``--answers-only`` counts only the positions that predict the base's answer tokens (the
+prompts' positions still feed the heads' context), which is where decoding drafts. Writes ``OUT.json``
+and ``OUT.png``.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ from hispec_decode.files import save_figure, write_text
 from hispec_decode.tools.cli import add_debug_arg, positive_int, run_cli
 
 from .distill import DRAFT_STEPS, Agreement, agreement
-from .store import StoreManifest
+from .store import StoreManifest, answer_starts
 from .store_data import FeatureStore
 
 logger = logging.getLogger(__name__)
 
 
 def evaluate_adapter(heads_dir: str, features: str, base: str | None, seq_len: int, batch_size: int,
-                     max_tokens: int | None, costs: bool) -> dict[str, Any]:
+                     max_tokens: int | None, costs: bool, answers_only: bool = False) -> dict[str, Any]:
     """One adapter's measurements on the store's held-out split (module docstring)."""
     from hispec_decode import HiSpecModel
     from hispec_decode.adapter.fingerprint import compute_fingerprint
@@ -51,14 +53,16 @@ def evaluate_adapter(heads_dir: str, features: str, base: str | None, seq_len: i
     store = FeatureStore(features, layers, "eval", compute_fingerprint(model.base_model))
     heads = {l: adapter.head(l).float().eval() for l in layers}
     counts = Agreement()
-    batches = store.sequential(batch_size, seq_len, max_tokens)
+    batches = store.sequential(batch_size, seq_len, max_tokens,
+                               answer_starts(features, "eval") if answers_only else None)
     with torch.no_grad():
         for b in tqdm(batches, desc=f"evaluating {heads_dir}"):
             agreement(decoder, heads, dict(zip(layers, b.hidden)), b.final, layers[0], layers[min(1, len(layers) - 1)],
                       128, counts, b.valid, b.input_ids)
     out: dict[str, Any] = {"heads": heads_dir, "tokens": counts.tokens, "rates": counts.rates(),
                            "curve": {str(l): c for l, c in counts.curve().items()},
-                           "head_types": {str(e.layer): e.head_type for e in adapter.config.exits}}
+                           "head_types": {str(e.layer): e.head_type for e in adapter.config.exits},
+                           "positions": "answers" if answers_only else "all"}
     if costs:
         from .curve import exit_costs
 
@@ -96,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--max-tokens", type=positive_int, help="held-out tokens to use (default: all)")
     p.add_argument("--costs", action="store_true", help="also time each exit's pass against a full step")
+    p.add_argument("--answers-only", action="store_true",
+                   help="count only positions whose next token is the base's answer (a self-distilled store), as "
+                        "decoding drafts; the prompts' positions still give the heads their context")
     add_debug_arg(p)
     return p
 
@@ -117,21 +124,23 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         out = Path(args.out)
-        if out.suffix:
+        if out.suffix in (".json", ".png"):  # a dot elsewhere is part of the name (qwen2.5-...)
             raise HiSpecError(f"--out is a path without extension (OUT.json and OUT.png are written); got {out}")
         check_inputs(args.heads, args.features)
+        if args.answers_only:
+            answer_starts(args.features, "eval")  # a store that knows its answers, before any model loads
         results = [evaluate_adapter(h, args.features, args.base, args.seq_len, args.batch_size, args.max_tokens,
-                                    args.costs) for h in args.heads]
+                                    args.costs, args.answers_only) for h in args.heads]
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_text(out.with_suffix(".json"), json.dumps(results, indent=2, sort_keys=True) + "\n")
-        plot(results, out.with_suffix(".png"))
+        write_text(out.parent / f"{out.name}.json", json.dumps(results, indent=2, sort_keys=True) + "\n")
+        plot(results, out.parent / f"{out.name}.png")
         for r in results:
             for l, c in r["curve"].items():
                 acc = ", ".join(f"{a:.3f}" for a in c["acceptance_per_step"])
                 cost = f", cost {r['cost'][l]:.3f}" if "cost" in r else ""
                 print(f"{r['heads']} L{l} ({r['head_types'][l]}): top-1 {c['top1']:.3f}, top-4 {c['top4']:.3f}, "
                       f"acceptance per draft [{acc}], chain {r['rates'][f'chain_accepted/L{l}']:.2f}{cost}")
-        print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+        print(f"wrote {out}.json and {out}.png")
         return 0
 
     return run_cli("hispec-eval-heads", run, args.debug, extra="train")

@@ -109,11 +109,13 @@ class FeatureStore:
     def num_tokens(self) -> int:
         return int(self.weights.sum())
 
-    def window(self, seq: int, start: int, length: int) -> FeatureBatch:
+    def window(self, seq: int, start: int, length: int, counted_from: int = 0) -> FeatureBatch:
+        """Positions ``start ..`` of sequence ``seq``; ``valid`` only from its position ``counted_from``."""
         s, off, _ = self.sequences[seq]
         t, sl = self.shards[s], slice(off + start, off + start + length)
+        valid = torch.arange(start, start + length)[None] >= counted_from
         return FeatureBatch([t[f"hidden.{l}"][sl][None] for l in self.layers], t["final"][sl][None],
-                            t["input_ids"][sl].long()[None], torch.ones(1, length, dtype=torch.bool))
+                            t["input_ids"][sl].long()[None], valid)
 
     def batch(self, generator: torch.Generator, batch_size: int, seq_len: int, from_start: bool = False) -> FeatureBatch:
         """``batch_size`` random windows (sequences drawn in proportion to their length); ``from_start``:
@@ -127,12 +129,20 @@ class FeatureStore:
             rows.append(self.window(seq, start, min(seq_len, n)))
         return collate(rows)
 
-    def sequential(self, batch_size: int, seq_len: int, max_tokens: int | None = None) -> list[FeatureBatch]:
-        """The split in order, in windows of ``seq_len`` (evaluation), up to ``max_tokens``."""
+    def sequential(self, batch_size: int, seq_len: int, max_tokens: int | None = None,
+                   counted_from: list[int] | None = None) -> list[FeatureBatch]:
+        """The split in order, in windows of ``seq_len`` (evaluation), up to ``max_tokens`` counted
+        positions; ``counted_from``: per sequence, the first position that counts (``valid``), e.g.
+        :func:`~hispec_train.store.answer_starts`."""
+        if counted_from is not None and len(counted_from) != len(self.sequences):
+            raise HiSpecError(f"counted_from: {len(counted_from)} sequences given, the split holds {len(self.sequences)}")
         rows, seen = [], 0
         for seq, (_, _, n) in enumerate(self.sequences):
+            first = counted_from[seq] if counted_from else 0
             for start in range(0, n, seq_len):
-                rows.append(self.window(seq, start, min(seq_len, n - start)))
+                if start + seq_len <= first:
+                    continue  # nothing in this window counts
+                rows.append(self.window(seq, start, min(seq_len, n - start), first))
                 seen += rows[-1].tokens
                 if max_tokens is not None and seen >= max_tokens:
                     break

@@ -448,3 +448,37 @@ def test_eval_heads_checks_every_adapter_against_the_store_before_any_work(store
     monkeypatch.setattr(eval_heads, "evaluate_adapter", no_work)
     assert eval_heads.main(["--heads", str(tmp_path / "a"), str(tmp_path / "b"), "--features", str(store),
                             "--base", str(trainable_base), "--out", str(tmp_path / "cmp")]) == 2
+
+
+def test_answers_only_evaluation_counts_the_positions_that_predict_answers(store, distilled, trainable_base, tmp_path):
+    """``answer_starts`` maps every held-out sequence to its record's prompt length (less one); the
+    windows it counts are exactly those positions; ``hispec-eval-heads --answers-only`` evaluates them."""
+    from hispec_decode import ExitSpec
+    from hispec_train import eval_heads
+    from hispec_train.store import answer_starts
+
+    prompt_of = {tuple(r["input_ids"]): r["prompt_tokens"] for r in _records(distilled)}
+    fs = FeatureStore(store, [1, 3], "eval")
+    starts = answer_starts(store, "eval")
+    assert len(starts) == len(fs.sequences)
+    for (s, off, n), first in zip(fs.sequences, starts):
+        ids = tuple(fs.shards[s]["input_ids"][off : off + n].tolist())
+        assert 0 < first == prompt_of[ids] - 1 < n - 1
+    answers = sum(n - first for (_, _, n), first in zip(fs.sequences, starts))
+    batches = fs.sequential(4, 16, counted_from=starts)
+    assert sum(b.tokens for b in batches) == answers < sum(n for _, _, n in fs.sequences)
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads="none")
+    HiSpecAdapter.create(model.decoder, str(trainable_base), [ExitSpec(1, "draft", "norm")]).save_pretrained(tmp_path / "a")
+    assert eval_heads.main(["--heads", str(tmp_path / "a"), "--features", str(store), "--base", str(trainable_base),
+                            "--seq-len", "16", "--out", str(tmp_path / "ans"), "--answers-only"]) == 0
+    result = json.loads((tmp_path / "ans.json").read_text())[0]
+    assert result["positions"] == "answers" and result["tokens"] == answers
+    import shutil
+
+    other = tmp_path / "other"  # a store whose data set is not self-distilled: where answers start is unknown
+    shutil.copytree(store, other)
+    manifest = json.loads((other / STORE_MANIFEST).read_text())
+    manifest["dataset"] = str(tmp_path)
+    (other / STORE_MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(HiSpecError, match="not a self-distilled"):
+        answer_starts(other, "eval")
