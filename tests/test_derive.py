@@ -374,3 +374,33 @@ def test_the_request_overhead_leaves_the_prompts_prefill_out(monkeypatch):
     step = costs.full_step(_TimedModel.num_layers, 1)
     overhead = derive.request_overhead(_TimedModel(clock), [[1] * 300, [2] * 300], 32, costs)
     assert overhead == pytest.approx(_TimedModel.STEP - step)
+
+
+def test_an_exit_is_timed_on_the_path_decoding_takes(trainable_base, tmp_path, monkeypatch):
+    """A deep-context head decodes through its fused transform (``decode_transform``) and hands on its
+    own context; the cost model times that, not the unfused ``transform`` that only calibration uses."""
+    from hispec_decode.models.exit_heads import DeepContextHead
+    from hispec_decode.tuning.costs import measure_costs
+
+    base = HiSpecModel.from_pretrained(str(trainable_base), heads="none")
+    adapter = HiSpecAdapter.create(base.decoder, str(trainable_base), [ExitSpec(2, "draft", "deep_context")])
+    with torch.no_grad():
+        adapter.head(2).proj.weight.normal_(0, 0.02)
+        adapter.head(2).ctx.weight.normal_(0, 0.02)
+    adapter.save_pretrained(tmp_path / "heads")
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(tmp_path / "heads"))
+    calls = {"decode_transform": 0, "transform": 0, "context_of": 0}
+    for name in calls:
+        original = getattr(DeepContextHead, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(DeepContextHead, name, counted)
+    costs = measure_costs(model.runner, [2], reps=1)
+    assert set(costs.exits[2]) == {1, 2, 4, 8, 16}
+    assert calls["decode_transform"] > 0 and calls["context_of"] > 0 and calls["transform"] == 0, calls
+    calls.update({k: 0 for k in calls})  # decoding with that head takes the same path
+    model.generate([[5, 9, 2, 6, 7]], max_new_tokens=6, method="hispec", draft_layer=2, num_draft=2)
+    assert calls["decode_transform"] > 0 and calls["transform"] == 0, calls

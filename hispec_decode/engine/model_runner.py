@@ -154,13 +154,20 @@ class ModelRunner:
             h = torch.cat([rows[k][:, j : j + 1] for k, j, _ in wave], dim=1)  # [1, m, hidden]
             ctx = torch.stack([c if (c := seqs[k].context.context_at(layer, seqs[k].previous(slot))) is not None
                                else zero for k, _, slot in wave])[None]  # [1, m, C]
-            x = head.decode_transform(h, ctx, self.decoder)
-            own = self.decoder.rowwise(lambda y: head.context_of(y, self.decoder), x)[0]  # [m, C]
+            x, own = self.context_step(layer, h, ctx)
             for r, (k, j, slot) in enumerate(wave):
                 seqs[k].context.keep_own(layer, slot, own[r].clone())
                 out[k, j] = x[:, r : r + 1]
                 pending.discard((k, slot))
         return torch.cat([out[k, j] for k, j, _ in items], dim=1)
+
+    def context_step(self, layer: int, h: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a deep-context head computes for rows ``h`` [1, m, hidden] whose contexts are ``ctx``
+        [1, m, C]: its transformed rows [1, m, hidden] and, from them, the contexts those rows give the
+        next positions [m, C] (its own estimate of the final state)."""
+        head = self.heads[layer]
+        x = head.decode_transform(h, ctx, self.decoder)
+        return x, self.decoder.rowwise(lambda y: head.context_of(y, self.decoder), x)[0]
 
     def _feature_transform(self, layer: int, seqs: list[Sequence], counts: list[int], cache: PagedKVCache) -> torch.Tensor:
         """A feature_attention head's output at each sequence's ``counts[k]`` newest rows, [1, sum, hidden]

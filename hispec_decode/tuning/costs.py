@@ -29,6 +29,17 @@ def _median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def _exit_logits(runner: ModelRunner, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """Exit ``layer``'s logits for rows ``h`` as decoding computes them: a deep-context head through
+    its decoding step (the fused transform against a context, and the context it hands on), any
+    other head through :meth:`ModelRunner.exit_logits`."""
+    head = runner.heads.get(layer)
+    if head is None or not head.needs_context or layer in runner.head_cache_layer:
+        return runner.exit_logits(layer, h)
+    ctx = torch.zeros(1, h.shape[1], head.context_size, dtype=h.dtype)
+    return head.project(runner.context_step(layer, h, ctx)[0], runner.decoder, restrict=runner.use_exit_vocab)[0]
+
+
 @torch.inference_mode()
 def measure_costs(runner: ModelRunner, exit_layers: list[int], reps: int = 7, vocab_sizes: tuple[int, ...] = ()
                   ) -> CostModel:
@@ -72,7 +83,7 @@ def measure_costs(runner: ModelRunner, exit_layers: list[int], reps: int = 7, vo
         for r in HEAD_ROWS:
             h = torch.randn(1, r, decoder.config.hidden_size, generator=g).to(decoder.dtype)
             # an early exit's logits are turned into its confidence (a softmax) by every gate
-            seconds = _median_seconds(lambda: runner.exit_logits(layer, h).float().softmax(-1).max(-1), reps) \
+            seconds = _median_seconds(lambda: _exit_logits(runner, layer, h).float().softmax(-1).max(-1), reps) \
                 if layer < n else _median_seconds(lambda: runner.exit_logits(layer, h).argmax(-1), reps)
             if layer in runner.head_cache_layer:  # a head with attention: its block is part of the exit's cost
                 seconds += interpolate(layer_rows, r)
