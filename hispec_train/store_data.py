@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +40,7 @@ SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch
 
 
 def mapped_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
-    """``keys`` of a safetensors file as read-only tensors over a memory map of it: a window's pages
+    """``keys`` of a safetensors file as tensors over a private memory map of it: a window's pages
     are read when a batch copies it out, and the kernel may drop them again, so a store larger than
     memory still trains (from the page cache where it fits). A short or malformed file raises
     ``ValueError`` naming what is wrong."""
@@ -52,7 +51,7 @@ def mapped_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
         if not 0 < length <= size - 8:
             raise ValueError(f"not a safetensors file ({size} bytes, header length {length})")
         header = json.loads(f.read(length))
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # copy-on-write: a write never reaches the file
     out = {}
     for key in keys:
         if key not in header:
@@ -66,10 +65,8 @@ def mapped_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
         if dtype is None or end - begin != count * dtype.itemsize or 8 + length + end > size:
             raise ValueError(f"tensor {key!r} ({meta['dtype']}, shape {meta['shape']}, bytes {begin}..{end}) does "
                              f"not fit the file's {size} bytes")
-        with warnings.catch_warnings():  # a read-only map: batches copy windows out, nothing writes to it
-            warnings.simplefilter("ignore", UserWarning)
-            flat = (torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + length + begin) if count
-                    else torch.empty(0, dtype=dtype))
+        flat = (torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + length + begin) if count
+                else torch.empty(0, dtype=dtype))
         out[key] = flat.view(meta["shape"])
     return out
 

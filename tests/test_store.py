@@ -237,6 +237,9 @@ def test_mapped_shards_hold_what_safetensors_reads(store):
             for key in keys:
                 expected = f.get_tensor(key)
                 assert mapped[key].dtype == expected.dtype and torch.equal(mapped[key], expected), key
+        before = path.read_bytes()
+        mapped["final"].zero_()  # a private map: a write stays in this process, the store is untouched
+        assert path.read_bytes() == before
 
 
 def test_store_batch_equals_a_base_forward_of_the_same_window(store, trainable_base):
