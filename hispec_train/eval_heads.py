@@ -32,15 +32,16 @@ from hispec_decode.files import save_figure, write_text
 from hispec_decode.tools.cli import add_debug_arg, positive_int, run_cli
 
 from .distill import DRAFT_STEPS, Agreement, agreement
-from .store import StoreManifest, answer_starts
-from .store_data import FeatureStore
+from .store import StoreManifest
+from .store_data import FeatureStore, answer_starts
 
 logger = logging.getLogger(__name__)
 
 
 def evaluate_adapter(heads_dir: str, features: str, base: str | None, seq_len: int, batch_size: int,
-                     max_tokens: int | None, costs: bool, answers_only: bool = False) -> dict[str, Any]:
-    """One adapter's measurements on the store's held-out split (module docstring)."""
+                     max_tokens: int | None, costs: bool, counted_from: list[int] | None = None) -> dict[str, Any]:
+    """One adapter's measurements on the store's held-out split (module docstring); ``counted_from``:
+    per held-out sequence, the first position counted (:func:`answer_starts`; default: all)."""
     from hispec_decode import HiSpecModel
     from hispec_decode.adapter.fingerprint import compute_fingerprint
     from hispec_decode.machine import compute_dtype
@@ -53,8 +54,7 @@ def evaluate_adapter(heads_dir: str, features: str, base: str | None, seq_len: i
     store = FeatureStore(features, layers, "eval", compute_fingerprint(model.base_model))
     heads = {l: adapter.head(l).float().eval() for l in layers}
     counts = Agreement()
-    batches = store.sequential(batch_size, seq_len, max_tokens,
-                               answer_starts(features, "eval") if answers_only else None)
+    batches = store.sequential(batch_size, seq_len, max_tokens, counted_from)
     with torch.no_grad():
         for b in tqdm(batches, desc=f"evaluating {heads_dir}"):
             agreement(decoder, heads, dict(zip(layers, b.hidden)), b.final, layers[0], layers[min(1, len(layers) - 1)],
@@ -62,7 +62,7 @@ def evaluate_adapter(heads_dir: str, features: str, base: str | None, seq_len: i
     out: dict[str, Any] = {"heads": heads_dir, "tokens": counts.tokens, "rates": counts.rates(),
                            "curve": {str(l): c for l, c in counts.curve().items()},
                            "head_types": {str(e.layer): e.head_type for e in adapter.config.exits},
-                           "positions": "answers" if answers_only else "all"}
+                           "positions": "all" if counted_from is None else "answers"}
     if costs:
         from .curve import exit_costs
 
@@ -127,10 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         if out.suffix in (".json", ".png"):  # a dot elsewhere is part of the name (qwen2.5-...)
             raise HiSpecError(f"--out is a path without extension (OUT.json and OUT.png are written); got {out}")
         check_inputs(args.heads, args.features)
-        if args.answers_only:
-            answer_starts(args.features, "eval")  # a store that knows its answers, before any model loads
+        starts = answer_starts(args.features, "eval") if args.answers_only else None  # before any model loads
         results = [evaluate_adapter(h, args.features, args.base, args.seq_len, args.batch_size, args.max_tokens,
-                                    args.costs, args.answers_only) for h in args.heads]
+                                    args.costs, starts) for h in args.heads]
         out.parent.mkdir(parents=True, exist_ok=True)
         write_text(out.parent / f"{out.name}.json", json.dumps(results, indent=2, sort_keys=True) + "\n")
         plot(results, out.parent / f"{out.name}.png")

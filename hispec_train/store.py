@@ -131,34 +131,6 @@ def token_sequences(dataset: str, tokenizer, max_seq_len: int) -> list[list[int]
     return seqs
 
 
-def answer_starts(directory: str | Path, split: str) -> list[int]:
-    """Per sequence of the store's ``split`` (in its shards' order), the first position whose next token
-    is the base's answer (its prompt's length less one): decoding drafts only from there on. Needs a
-    store of a self-distilled data set, unchanged since the store was planned."""
-    import pyarrow.parquet as pq
-
-    from .selfdistill import MANIFEST_NAME
-
-    manifest = StoreManifest.load(directory)
-    data = Path(manifest.dataset)
-    if not (data / MANIFEST_NAME).is_file():
-        raise HiSpecError(f"feature store {directory}: its data set {manifest.dataset} is not a self-distilled one "
-                          f"({MANIFEST_NAME} missing there), so where its answers start is unknown")
-    seqs = token_sequences(str(data), None, manifest.plan["max_seq_len"])
-    if len(seqs) != manifest.num_sequences:
-        raise HiSpecError(f"feature store {directory}: its data set now holds {len(seqs)} sequences, "
-                          f"{manifest.num_sequences} when the store was planned")
-    prompts = [n for shard in sorted(data.glob("shard-*.parquet"))
-               for n in pq.read_table(shard, columns=["prompt_tokens"]).column("prompt_tokens").to_pylist()]
-    cfg = StoreConfig(str(data), str(directory), manifest.layers, **manifest.plan)
-    plan = plan_shards(seqs, cfg)[split]
-    starts = []
-    for entry in manifest.shards[split]:
-        index = int(str(entry["file"]).removeprefix(f"{split}-").removesuffix(".safetensors"))
-        starts += [max(0, min(prompts[i], len(seqs[i])) - 1) for i in plan[index]]
-    return starts
-
-
 def plan_shards(seqs: list[list[int]], cfg: StoreConfig) -> dict[str, list[list[int]]]:
     """Sequence indices per shard, per split: a seeded shuffle, the first ``eval_sequences`` held out,
     the rest up to ``max_tokens``, cut into shards of about ``shard_tokens``."""

@@ -10,6 +10,7 @@ what the uninterrupted run would have.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from hispec_decode.adapter.fingerprint import fingerprint_id, fingerprints_match
 from hispec_decode.errors import HiSpecError
 
-from .store import STORE_MANIFEST, StoreManifest
+from .store import SHARD_NAME, STORE_MANIFEST, StoreConfig, StoreManifest, plan_shards, token_sequences
 
 
 @dataclass
@@ -59,9 +60,7 @@ def mapped_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
         meta = header[key]
         dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
         begin, end = meta["data_offsets"]
-        count = 1
-        for n in meta["shape"]:
-            count *= n
+        count = math.prod(meta["shape"])
         if dtype is None or end - begin != count * dtype.itemsize or 8 + length + end > size:
             raise ValueError(f"tensor {key!r} ({meta['dtype']}, shape {meta['shape']}, bytes {begin}..{end}) does "
                              f"not fit the file's {size} bytes")
@@ -69,6 +68,34 @@ def mapped_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
                 else torch.empty(0, dtype=dtype))
         out[key] = flat.view(meta["shape"])
     return out
+
+
+def answer_starts(directory: str | Path, split: str) -> list[int]:
+    """Per sequence of the store's ``split`` (in its shards' order), the first position whose next token
+    is the base's answer (its prompt's length less one): decoding drafts only from there on. Needs a
+    store of a self-distilled data set, unchanged since the store was planned."""
+    import pyarrow.parquet as pq
+
+    from .selfdistill import MANIFEST_NAME
+
+    manifest = StoreManifest.load(directory)
+    data = Path(manifest.dataset)
+    if not (data / MANIFEST_NAME).is_file():
+        raise HiSpecError(f"feature store {directory}: its data set {manifest.dataset} is not a self-distilled one "
+                          f"({MANIFEST_NAME} missing there), so where its answers start is unknown")
+    seqs = token_sequences(str(data), None, manifest.plan["max_seq_len"])
+    if len(seqs) != manifest.num_sequences:
+        raise HiSpecError(f"feature store {directory}: its data set now holds {len(seqs)} sequences, "
+                          f"{manifest.num_sequences} when the store was planned")
+    prompts = [n for shard in sorted(data.glob("shard-*.parquet"))
+               for n in pq.read_table(shard, columns=["prompt_tokens"]).column("prompt_tokens").to_pylist()]
+    cfg = StoreConfig(str(data), str(directory), manifest.layers, **manifest.plan)
+    plan = plan_shards(seqs, cfg)[split]
+    starts = []
+    for entry in manifest.shards[split]:
+        index = next(i for i in range(len(plan)) if SHARD_NAME.format(split=split, index=i) == entry["file"])
+        starts += [max(0, min(prompts[i], len(seqs[i])) - 1) for i in plan[index]]
+    return starts
 
 
 class FeatureStore:
@@ -130,7 +157,7 @@ class FeatureStore:
                    counted_from: list[int] | None = None) -> list[FeatureBatch]:
         """The split in order, in windows of ``seq_len`` (evaluation), up to ``max_tokens`` counted
         positions; ``counted_from``: per sequence, the first position that counts (``valid``), e.g.
-        :func:`~hispec_train.store.answer_starts`."""
+        :func:`answer_starts`."""
         if counted_from is not None and len(counted_from) != len(self.sequences):
             raise HiSpecError(f"counted_from: {len(counted_from)} sequences given, the split holds {len(self.sequences)}")
         rows, seen = [], 0

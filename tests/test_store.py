@@ -458,7 +458,7 @@ def test_answers_only_evaluation_counts_the_positions_that_predict_answers(store
     windows it counts are exactly those positions; ``hispec-eval-heads --answers-only`` evaluates them."""
     from hispec_decode import ExitSpec
     from hispec_train import eval_heads
-    from hispec_train.store import answer_starts
+    from hispec_train.store_data import answer_starts
 
     prompt_of = {tuple(r["input_ids"]): r["prompt_tokens"] for r in _records(distilled)}
     fs = FeatureStore(store, [1, 3], "eval")
