@@ -99,7 +99,7 @@ inline void x8_dot32(const uint8_t* g, int64_t nb, const int8_t* Q, const float*
         q = _mm256_and_si256(t < 4 ? v : _mm256_srli_epi16(v, 4), low);
         if constexpr (FIVE) q = _mm256_or_si256(q, high_bits(qh, 4 * t));
       }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < MT; ++r) {
         const __m256i x = bcast4(Q + r * K + blk * 32 + 4 * t);
 #if defined(HISPEC_X8_INT32)  // Q8_0: |q| against x with q's sign
@@ -118,7 +118,7 @@ inline void x8_dot32(const uint8_t* g, int64_t nb, const int8_t* Q, const float*
     }
     const __m256 a = halves8(b);
     const __m256 coef = MIN ? halves8(b + 16) : _mm256_mul_ps(a, _mm256_set1_ps(-OFFSET));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < MT; ++r) {
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[r]), _mm256_mul_ps(a, _mm256_set1_ps(D[r * KB + blk])), acc[r]);
       if constexpr (!SIGNED) acc[r] = _mm256_fmadd_ps(coef, _mm256_set1_ps(XS[r * KB + blk]), acc[r]);
@@ -166,7 +166,7 @@ inline void x8_q45k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* 
           __m256i q = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, low);
           if constexpr (FIVE)  // bit s of qh
             q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(s)), one), 4));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int r = 0; r < MT; ++r) {
             const __m256i x = bcast4(Q + r * K + blk * 256 + 32 * s + 4 * t);
 #if defined(HISPEC_X8_INT32)
@@ -180,7 +180,7 @@ inline void x8_q45k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* 
         if (t == 7 || (FIVE && t == 3)) {  // 5-bit values: int16 holds 4 loads' sums, 4-bit values 8
           for (int u = 0; u < PASS; ++u) {
             const __m256i sc = scales(scale8(s0 + u));  // row c's scale as an int16 pair in lane c
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int r = 0; r < MT; ++r) {
               iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(sum[u][r], sc));
               sum[u][r] = _mm256_setzero_si256();
@@ -192,7 +192,7 @@ inline void x8_q45k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* 
 #if defined(HISPEC_X8_INT32)
       for (int u = 0; u < PASS; ++u) {
         const __m256i sc = scales(scale8(s0 + u));  // int32 lanes
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < MT; ++r) iacc[r] = _mm256_add_epi32(iacc[r], _mm256_mullo_epi32(sum[u][r], sc));
       }
 #endif
@@ -200,7 +200,7 @@ inline void x8_q45k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* 
     const __m256 d = halves8(b), dmin = halves8(b + 16);
     __m256i mn[8];  // sub-block s's min of row c as an int16 pair in lane c
     for (int s = 0; s < 8; ++s) mn[s] = pairs_u8(min8(s));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < MT; ++r) {
       const float dx = D[r * (K / 256) + blk];
       const int8_t* sums = reinterpret_cast<const int8_t*>(BS + r * (K / 16) + blk * 16);  // x's sums per 16 inputs
@@ -231,7 +231,7 @@ inline void x8_q6k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * t));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int u = 0; u < PASS; ++u) {
           const int s = s0 + u, j = s % 4;
           if (t % 4 == 0) {  // 16 inputs, one scale: (HISPEC_X8_INT32: s) or (s, s) in lane c
@@ -245,7 +245,7 @@ inline void x8_q6k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D
           const __m256i L = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * (8 * (j % 2) + t)));
           const __m256i q = _mm256_or_si256(_mm256_and_si256(j < 2 ? L : _mm256_srli_epi16(L, 4), low),
                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * j)), three), 4));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int r = 0; r < MT; ++r) {
             const __m256i x = bcast4(Q + r * K + blk * 256 + 32 * s + 4 * t);
 #if defined(HISPEC_X8_INT32)
@@ -264,7 +264,7 @@ inline void x8_q6k(const uint8_t* g, int64_t nb, const int8_t* Q, const float* D
     __m256i pair[8];  // (s_2i, s_2i+1) of row c as int16 in lane c
     for (int i = 0; i < 8; ++i)
       pair[i] = _mm256_or_si256(_mm256_and_si256(scale32(2 * i), mask16), _mm256_slli_epi32(scale32(2 * i + 1), 16));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < MT; ++r) {
       const int8_t* sums = reinterpret_cast<const int8_t*>(BS + r * (K / 16) + blk * 16);
       __m256i off = _mm256_setzero_si256();

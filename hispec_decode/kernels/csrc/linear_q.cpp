@@ -20,7 +20,8 @@
 // Out (m, n) adds its blocks in increasing k into its own accumulators (then, row by row, the vector's
 // lanes in a fixed order); the other rows of the call and the split between threads (threads split n)
 // never change it, so the kernel is batch-invariant. A call over M rows decodes each weight block once
-// per tile of up to 4 rows (the weight's bytes stay in cache across its tiles).
+// per tile of rows (up to 4; 8 with AVX-512's 32 registers; the weight's bytes stay in cache across its
+// tiles).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -120,7 +121,7 @@ struct KDot {
   }
 };
 
-// Interleaved blocks (blocks_x8.h): 8 outputs at a time, rows in tiles of up to 4.
+// Interleaved blocks (blocks_x8.h): 8 outputs at a time, rows in tiles of up to X8_TILE.
 template <int64_t TYPE>
 struct X8Dot {
   static constexpr int64_t GROUP = TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K ? 256 : 32;
@@ -138,18 +139,32 @@ struct X8Dot {
   }
 };
 
+// Rows per tile of the interleaved loops: 8 where AVX-512 gives 32 vector registers (a tile's sums stay
+// in them), else 4 (AVX2's 16).
+#if defined(__AVX512VL__)
+constexpr int64_t X8_TILE = 8;
+#else
+constexpr int64_t X8_TILE = 4;
+#endif
+
 template <class Dot, class T>
 void linear_x8(const XRows& xq, int64_t M, const uint8_t* W, int64_t row_bytes, int64_t N, int64_t nb,
                const float* bias, T* Y) {
   at::parallel_for(0, N / 8, 2, [&](int64_t begin, int64_t end) {
-    __m256 acc[4];
+    __m256 acc[X8_TILE];
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* w = W + g * 8 * row_bytes;
       const __m256 b = bias ? _mm256_loadu_ps(bias + 8 * g) : _mm256_setzero_ps();
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int64_t mt = std::min<int64_t>(4, M - m0);
-        for (int r = 0; r < 4; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t m0 = 0; m0 < M; m0 += X8_TILE) {
+        const int64_t mt = std::min<int64_t>(X8_TILE, M - m0);
+        for (int r = 0; r < X8_TILE; ++r) acc[r] = _mm256_setzero_ps();
         switch (mt) {
+#if defined(__AVX512VL__)
+          case 8: Dot::template run<8>(w, nb, xq, m0, acc); break;
+          case 7: Dot::template run<7>(w, nb, xq, m0, acc); break;
+          case 6: Dot::template run<6>(w, nb, xq, m0, acc); break;
+          case 5: Dot::template run<5>(w, nb, xq, m0, acc); break;
+#endif
           case 4: Dot::template run<4>(w, nb, xq, m0, acc); break;
           case 3: Dot::template run<3>(w, nb, xq, m0, acc); break;
           case 2: Dot::template run<2>(w, nb, xq, m0, acc); break;
