@@ -5,13 +5,16 @@ sources from ``git show``, the working tree's as they are), checks that both giv
 every shape and row count, then times them call against call, interleaved round after round, and
 prints each one's median milliseconds and the ratio. The weights are random blocks of the named
 formats at a real model's shapes (default: Qwen2.5-Coder-1.5B's Q4_K_M weights), interleaved (x8).
+``--from-memory`` cycles each call through copies of the weight that together exceed the caches, so
+that every call reads its weight from memory, as a model's layers are read during decoding.
 
-    python scripts/bench_block_kernel.py --rev HEAD --rows 1,2,4,8,16 --rounds 15
+    python scripts/bench_block_kernel.py --rev HEAD --rows 1,2,4,8,16 --rounds 15 [--from-memory]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import subprocess
 import sys
@@ -50,6 +53,9 @@ def sources_at(rev: str) -> Path:
     return out
 
 
+MEMORY_BYTES = 512 << 20  # copies of a weight with --from-memory: at least this many bytes in all
+
+
 def median_ms(fn, reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -66,6 +72,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=DEFAULT, help=f"some of: {', '.join(SHAPES)}")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--from-memory", action="store_true", help="each call reads its weight from memory, not a cache")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
     from hispec_decode.layers import quant
@@ -81,6 +88,13 @@ def main() -> None:
         fmt, n, k = SHAPES[shape]
         blocks, t = quant.pack(torch.from_numpy(np.ascontiguousarray(random_blocks(quant.SERVED[fmt], n, k))),
                                quant.SERVED[fmt])
+        copies = [blocks] + [blocks.clone() for _ in range(-(-MEMORY_BYTES // blocks.numel()) - 1)] if args.from_memory \
+            else [blocks]
+        turn = itertools.count()
+
+        def call(fn, x):
+            return fn(x, copies[next(turn) % len(copies)], t, none)
+
         for m in rows:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             a, b = old.linear_q(x, blocks, t, none), new.linear_q(x, blocks, t, none)
@@ -88,8 +102,8 @@ def main() -> None:
                 raise SystemExit(f"{shape}, {m} rows: the two builds differ (max {float((a - b).abs().max())})")
             times = {"old": [], "new": []}
             for _ in range(args.rounds):  # interleaved: the machine's drift hits both alike
-                times["old"].append(median_ms(lambda: old.linear_q(x, blocks, t, none), 3))
-                times["new"].append(median_ms(lambda: new.linear_q(x, blocks, t, none), 3))
+                times["old"].append(median_ms(lambda: call(old.linear_q, x), 3))
+                times["new"].append(median_ms(lambda: call(new.linear_q, x), 3))
             o, w = statistics.median(times["old"]), statistics.median(times["new"])
             print(f"{shape:<18} {m:>4} {o:>8.3f} {w:>8.3f} {o / w:>7.2f}x")
 
