@@ -12,8 +12,6 @@ import importlib.util
 import pytest
 import torch
 
-from hispec_decode.api import default_heads_for
-from hispec_decode.decoding.policy import Policy
 from hispec_decode.models.loading import PACKAGED_BASES
 
 NEW = 16
@@ -53,16 +51,3 @@ def test_greedy_equals_transformers_generate():
     got = model.generate([ids], max_new_tokens=NEW, method="hispec", draft_layer=28, verify_layer=28, vocab=8192,
                          num_draft=2, lookup=8, eos_token_id=[], batch_aware=False, guard=False)
     assert got.sequences == [reference]
-
-    # the shipped heads: L2 drafts, L7 checks, the full model verifies; lossless, and they accept
-    if default_heads_for(ALIAS) is None:
-        return
-    del model
-    shipped = HiSpecModel.from_pretrained(ALIAS, dtype="float32")
-    assert sorted(e.layer for e in shipped.adapter.config.exits) == [2, 4, 7]
-    knobs = Policy(draft_layer=2, verify_layer=7, num_draft=2, window=4).knobs() | {"batch_aware": False, "guard": False}
-    out = shipped.generate([ids], max_new_tokens=NEW, method="hispec", eos_token_id=[], **knobs)
-    assert out.sequences == [reference]
-    # untrained exits agree with the final layer on 0.7-1.4% of held-out tokens, the shipped ones on 35-50%
-    # (docs/qwen-coder-1.5b.md): on this short answer they must accept far more than untrained ones
-    assert out.stats["acceptance_final"] > 0.1 and out.stats["acceptance_intermediate"] > 0.1, out.stats

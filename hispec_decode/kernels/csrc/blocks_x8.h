@@ -40,8 +40,8 @@ constexpr int64_t X8 = 256;  // added to a ggml type: its blocks are interleaved
 
 // Software prefetch of the block PREFETCH_BLOCKS ahead (a group's blocks, then the next group's) where a
 // tile's work on a block outlasts the arrival of its bytes: tiles of PREFETCH_ROWS rows or more, Q6_K
-// (the costliest decoding) from 2 rows. One row, and Q4_K's 2-4 rows, stream faster without it (AMD
-// EPYC Zen 4, weights read from memory: scripts/bench_block_kernel.py --from-memory).
+// (the costliest decoding) from PREFETCH_ROWS_Q6K. Smaller tiles leave streaming to the hardware
+// (docs/native.md, "Interleaved blocks").
 constexpr int64_t PREFETCH_BLOCKS = 4;
 constexpr int PREFETCH_ROWS = 5, PREFETCH_ROWS_Q6K = 2;
 
