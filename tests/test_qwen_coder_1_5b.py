@@ -5,7 +5,7 @@ shipped heads (exits 2, 4, 7) lossless and accepting on the file's own blocks.
 CI does not install the parts (``scripts/_setup.sh`` installs them only with ``HISPEC_QWEN_1_5B=1``), so the
 decoding test is skipped there; with them installed it converts the GGUF once (about a minute and 6 GB of fp32
 safetensors under ``$HISPEC_HOME``) and then takes about a minute; the shipped heads' test decodes natively
-(seconds)."""
+(under a minute)."""
 
 from __future__ import annotations
 
