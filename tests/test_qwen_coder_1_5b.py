@@ -1,6 +1,7 @@
 """Qwen2.5-Coder-1.5B-Instruct (``base="qwen2.5-coder-1.5b"``, a Q4_K_M GGUF in 22 PyPI data packages, 1.1 GB):
-the packaged base's parts and checksum, greedy decoding in fp32 equal to transformers' ``generate``, and the
-shipped heads (exits 2, 4, 7) lossless and accepting on the file's own blocks.
+the packaged base's parts and checksum, greedy decoding in fp32 equal to transformers' ``generate`` (plain, the
+shipped heads' rounds and the vocabulary level), and the shipped heads (exits 2, 4, 7) lossless and accepting on
+the file's own blocks.
 
 CI does not install the parts (``scripts/_setup.sh`` installs them only with ``HISPEC_QWEN_1_5B=1``), so the
 decoding test is skipped there; with them installed it converts the GGUF once (about a minute and 6 GB of fp32
@@ -37,7 +38,7 @@ def test_qwen_coder_1_5b_is_a_packaged_base():
 def test_greedy_equals_transformers_generate():
     from hispec_decode import HiSpecModel
 
-    model = HiSpecModel.from_pretrained(ALIAS, heads="none", dtype="float32")
+    model = HiSpecModel.from_pretrained(ALIAS, dtype="float32")  # with the shipped heads, where they exist
     config = model.base_model.config
     assert (config.model_type, model.num_layers, config.hidden_size, config.intermediate_size) == ("qwen2", 28, 1536,
                                                                                                    8960)
@@ -50,6 +51,10 @@ def test_greedy_equals_transformers_generate():
                                           eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     got = model.generate([ids], max_new_tokens=NEW, method="autoregressive", eos_token_id=[])
     assert got.sequences == [reference]
+    if model.adapter is not None:  # the shipped heads on fp32 states: L2 drafts, L4 checks, the full model verifies
+        got = model.generate([ids], max_new_tokens=NEW, method="hispec", draft_layer=EXITS[0], verify_layer=EXITS[1],
+                             num_draft=2, window=4, eos_token_id=[], batch_aware=False, guard=False)
+        assert got.sequences == [reference]
     # the vocabulary level drafting, with prompt lookup: every knob given, nothing derived
     model.runner.set_ranking(torch.arange(model.decoder.vocab_size))
     got = model.generate([ids], max_new_tokens=NEW, method="hispec", draft_layer=28, verify_layer=28, vocab=8192,
