@@ -69,6 +69,35 @@ def load_heads(run_dir: Path, adapter: HiSpecAdapter, decoder: DecoderModel | No
     return json.loads((path / STATE_NAME).read_text())
 
 
+def init_heads(source: str, adapter: HiSpecAdapter, decoder: DecoderModel, fingerprint: dict[str, Any],
+               base_name: str, exit_vocab_size: int) -> None:
+    """Start ``adapter``'s heads from the trained heads of ``source`` (an exported adapter, or a run
+    directory: its checkpoint), exit vocabularies included. The base, the exits (layers, roles, head
+    type and options) and the exit vocabulary's size must be the ones this run trains."""
+    path = Path(source)
+    if (path / CHECKPOINT_DIR / STATE_NAME).is_file():
+        path = path / CHECKPOINT_DIR
+    saved = HiSpecAdapter.from_pretrained(path, decoder=decoder)
+    saved.config.check_base(fingerprint, base_name)
+    want = [(e.layer, e.role, e.head_type, e.options) for e in adapter.config.exits]
+    have = [(e.layer, e.role, e.head_type, e.options) for e in saved.config.exits]
+    if want != have:
+        raise HiSpecError(f"--init-heads {source}: its exits (layer, role, head type, options) are {have}, but this "
+                          f"run trains {want}; give heads_layers, head_roles, head_type and head_options to match")
+    sizes = {e.exit_vocab_size for e in saved.config.exits}
+    if sizes != {exit_vocab_size}:
+        raise HiSpecError(f"--init-heads {source}: its exit vocabularies hold {sorted(sizes)} tokens, but this run "
+                          f"asks for exit_vocab_size={exit_vocab_size}; set it to match")
+    for e in saved.config.exits:
+        vocab = saved.head(e.layer).vocab
+        adapter.head(e.layer).set_vocab(None if vocab is None else vocab.clone())
+    adapter.load_state_dict(saved.state_dict())
+    kept = {k: saved.config.training[k] for k in ("exit_vocab_size", "exit_vocab_coverage") if k in saved.config.training}
+    adapter.config.training |= kept | {"initialised_from": {"adapter": str(source),
+                                                            "steps": saved.config.training.get("steps")}}
+    logger.info("heads start from %s (exits %s)", path, [e.layer for e in saved.config.exits])
+
+
 def load_optimizer(run_dir: Path, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Restore the AdamW moments saved beside the heads (absent after a DeepSpeed run)."""
     path = run_dir / CHECKPOINT_DIR

@@ -72,6 +72,9 @@ class TrainConfig:
     window: int = _key(4, "N_i used for the expected accepted length in evaluations")
     seed: int = _key(0, "seed of the data order and the held-out split")
     output_dir: str = _key("runs/hispec-heads", "run directory (checkpoints, eval report, TensorBoard logs)")
+    init_heads: str | None = _key(None, "an adapter (exported directory or a run directory) whose trained heads start "
+                                        "this run, to train them on more data; its base, exits, head type and exit "
+                                        "vocabulary must match (none: heads start as the base's own exits)")
     resume: bool = _key(False, "continue from the run directory's checkpoint")
     overwrite: bool = _key(False, "start again from step 0 in a run directory that holds a checkpoint")
     report_to: str = _key("tensorboard", "tensorboard or none")
@@ -115,7 +118,7 @@ class TrainConfig:
             raise HiSpecError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}; got {self.mixed_precision!r}")
         if not self.report_to:
             raise HiSpecError("report_to must name a tracker accelerate knows (tensorboard, wandb, ...) or be none")
-        if not self.dataset or not self.output_dir or self.features == "":
+        if not self.dataset or not self.output_dir or self.features == "" or self.init_heads == "":
             raise HiSpecError("dataset and output_dir must not be empty")
         if self.resume and self.overwrite:
             raise HiSpecError("resume and overwrite exclude each other: continue a run, or start it again")

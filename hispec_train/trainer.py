@@ -29,7 +29,7 @@ from hispec_decode.models.exit_heads import BaseExitHead
 from hispec_decode.models import DecoderModel, decoder_for, load_base
 
 from .allocator import keep_freed_memory
-from .checkpoint import CHECKPOINT_DIR, checkpoint_step, load_heads, load_optimizer, save_checkpoint
+from .checkpoint import CHECKPOINT_DIR, checkpoint_step, init_heads, load_heads, load_optimizer, save_checkpoint
 from .config import TrainConfig
 from .data import PackedData, build_dataset, check_dataset
 from .distill import Agreement, LossConfig, agreement, distillation_loss, expected_accepted
@@ -41,7 +41,8 @@ from .zero import check_whole, heads_config, loading_whole, master_weights, shar
 
 logger = logging.getLogger(__name__)
 CONFIG_NAME = "train_config.json"
-RESUME_KEYS = ("base", "heads_layers", "head_roles", "head_type", "head_options", "exit_vocab_size", "seq_len", "features")
+RESUME_KEYS = ("base", "heads_layers", "head_roles", "head_type", "head_options", "exit_vocab_size", "seq_len", "features",
+               "init_heads")
 
 
 class HeadsLoss(nn.Module):
@@ -236,7 +237,8 @@ def train(cfg: TrainConfig) -> Path:
     decoder = decoder_for(model, pack_weights=False)
     cfg.check_layers(decoder.num_layers)
     inner = getattr(model, model.base_model_prefix)
-    data = TrainingData(cfg, loaded.tokenizer, inner, compute_fingerprint(loaded.model))
+    fingerprint = compute_fingerprint(loaded.model)
+    data = TrainingData(cfg, loaded.tokenizer, inner, fingerprint)
     if main and cfg.overwrite:  # start again: the old run's outputs go once the base and the data loaded
         for name in (CHECKPOINT_DIR, EVAL_NAME, PLOT_NAME):
             remove_tree(run_dir / name)
@@ -250,7 +252,9 @@ def train(cfg: TrainConfig) -> Path:
     specs = [ExitSpec(l, role, cfg.head_type, cfg.head_options) for l, role in zip(cfg.heads_layers, cfg.roles())]
     adapter = HiSpecAdapter.create(decoder, loaded.name, specs, base_revision=loaded.revision, training=data.info | {
         "seq_len": cfg.seq_len, "head_type": cfg.head_type})
-    if cfg.exit_vocab_size:
+    if cfg.init_heads and not cfg.resume:  # trained heads (and their exit vocabulary) start the run
+        init_heads(cfg.init_heads, adapter, decoder, fingerprint, loaded.name, cfg.exit_vocab_size)
+    elif cfg.exit_vocab_size:
         special = loaded.tokenizer.all_special_ids if loaded.tokenizer is not None else []
         set_exit_vocab(adapter, exit_vocabulary(data.train_tokens(), cfg.exit_vocab_size, decoder.vocab_size, special))
     adapter.to(accelerator.device, torch.float32)  # heads train in float32 whatever the base's dtype

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hispec_decode import CONFIG_NAME, WEIGHTS_NAME, FingerprintMismatchError, HiSpecAdapter, HiSpecError, HiSpecModel
-from hispec_decode.adapter import VLLM_BASE_CONFIG_NAME
+from hispec_decode.adapter import VLLM_BASE_CONFIG_NAME, ExitSpec
 from hispec_vllm import DRAFT_ARCHITECTURE, build_draft_dir
 from hispec_decode.models import decoder_for
 from hispec_decode.models.loading import load_base
@@ -418,3 +418,45 @@ def test_decoder_block_heads_train_export_and_decode_losslessly(trainable_base, 
     assert batched.sequences == [model.generate([p], max_new_tokens=24, method="hispec", window=3,
                                                 num_draft=3).sequences[0] for p in prompts]
 
+
+
+def test_init_heads_continue_trained_heads_on_new_data(trained_run, trainable_base, data_file, tmp_path):
+    """``init_heads`` starts a run from trained heads (an export or a run directory), exit
+    vocabularies included; other exits, another exit-vocabulary size or another base are refused."""
+    from hispec_train.checkpoint import init_heads
+
+    vocab_run = train(_cfg(trainable_base, data_file, tmp_path / "vocab", exit_vocab_size=30, max_steps=4))
+    exported = tmp_path / "exported"
+    export(vocab_run, exported)
+    saved = HiSpecAdapter.from_pretrained(exported)
+    for source in (exported, vocab_run):  # an export, or the run directory's checkpoint
+        cont = train(_cfg(trainable_base, data_file, tmp_path / f"cont-{source.name}", exit_vocab_size=30, max_steps=1,
+                          lr=1e-9, warmup_steps=0, init_heads=source))
+        heads = HiSpecAdapter.from_pretrained(cont / "checkpoint")
+        assert heads.config.training["initialised_from"]["adapter"] == str(source)
+        for layer in (1, 3):
+            assert torch.equal(heads.head(layer).vocab, saved.head(layer).vocab)
+            for k, v in saved.head(layer).state_dict().items():
+                torch.testing.assert_close(heads.head(layer).state_dict()[k], v, rtol=0, atol=1e-6)
+
+    # a few steps from trained heads keep their held-out loss; the same steps from scratch do not reach it
+    warm = train(_cfg(trainable_base, data_file, tmp_path / "warm", max_steps=2, lr=3e-4, init_heads=trained_run))
+    cold = train(_cfg(trainable_base, data_file, tmp_path / "cold", max_steps=2, lr=3e-4))
+    losses = {name: _heldout_loss(trainable_base, data_file, HiSpecAdapter.from_pretrained(run / "checkpoint"))
+              for name, run in (("warm", warm), ("cold", cold), ("trained", trained_run))}
+    assert losses["warm"] < 1.05 * losses["trained"] and losses["warm"] < 0.9 * losses["cold"], losses
+
+    loaded = load_base(str(trainable_base))
+    decoder = decoder_for(loaded.model, pack_weights=False)
+    fresh = HiSpecAdapter.create(decoder, loaded.name, [ExitSpec(1, "draft", "residual_linear", {}),
+                                                        ExitSpec(2, "intermediate", "residual_linear", {})])
+    fp = trainer_mod.compute_fingerprint(loaded.model)
+    with pytest.raises(HiSpecError, match="exits .* are .* but this run trains"):
+        init_heads(str(exported), fresh, decoder, fp, loaded.name, 30)
+    with pytest.raises(HiSpecError, match="exit_vocab_size=40"):
+        train(_cfg(trainable_base, data_file, tmp_path / "bad", exit_vocab_size=40, init_heads=exported))
+    other = tmp_path / "other"
+    save_tiny("llama", other, seed=3)
+    save_char_tokenizer(other)
+    with pytest.raises(FingerprintMismatchError, match="trained for base"):
+        train(_cfg(other, data_file, tmp_path / "bad2", exit_vocab_size=30, init_heads=exported))
