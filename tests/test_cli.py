@@ -92,6 +92,26 @@ def test_bench_batch_sizes_reports_every_method_at_every_size(tiny_models, tmp_p
     assert "batched throughput" in capsys.readouterr().out
 
 
+def test_bench_batch_sizes_interleave_dtypes_batch_by_batch(tiny_models, tmp_path, monkeypatch):
+    """Several dtypes run batch by batch in one loop (not one dtype after the other), and each row
+    gives its ratio to the same method in the first dtype."""
+    from hispec_decode.tools import bench_batch
+
+    calls, decode = [], bench_batch._decode
+    monkeypatch.setattr(bench_batch, "_decode", lambda model, spec, *a: calls.append((model.decoder.dtype, spec)) or decode(model, spec, *a))
+    out = tmp_path / "batched.json"
+    assert bench.main(["--base", str(tiny_models["llama"].path), "--dtypes", "float32,bfloat16", "--batch-sizes", "2",
+                       "--num-prompts", "6", "--max-new-tokens", "6", "--json", str(out),
+                       "--methods", "autoregressive,hispec"]) == 0
+    results = json.loads(out.read_text())["dtypes"]
+    assert set(results) == {"float32", "bfloat16"}
+    assert all(r["ratio_to_first_dtype"] == 1.0 for r in results["float32"]["2"].values())
+    assert all(r["ratio_to_first_dtype"] > 0 and r["matches_autoregressive"] == "6/6" for r in results["bfloat16"]["2"].values())
+    timed = calls[4:]  # after one warm-up call per (dtype, method)
+    assert len(timed) == 12 and all({str(d) for d, _ in timed[i : i + 4]} == {"torch.float32", "torch.bfloat16"}
+                                    for i in range(0, 12, 4)), timed
+
+
 def test_bench_compares_two_adapters_side_by_side(tiny_models, tmp_path, capsys):
     """``--heads-b`` and ``METHOD@b``: the same methods with a second adapter, in one run."""
     from hispec_decode import HiSpecAdapter

@@ -216,8 +216,9 @@ def format_table(results: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--dtypes", default="auto,bfloat16", help="comma-separated dtypes, each benchmarked in turn (auto: "
-                   "native for a GGUF base, else float32)")
+    p.add_argument("--dtypes", default="auto,bfloat16", help="comma-separated dtypes (auto: native for a GGUF base, else "
+                   "float32); benchmarked in turn, except with --batch-sizes, which interleaves them batch by batch "
+                   "and gives each method's ratio to the first dtype")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated methods, each optionally METHOD:VARIANT: full_vocab (early exits ignore the "
                         "heads' reduced vocabulary), eager or gather (batched verification schedule), paper (N_i=4, "
@@ -375,15 +376,16 @@ def _batched(args: argparse.Namespace, default_num_prompts: int) -> int:
                                "num_prompts": num_prompts, "max_batches": args.max_batches,
                                "machine": machine.describe(), "dtypes": {}}
     print(machine_line(results))
-    for dtype in args.dtypes.split(","):
-        models = ModelVariants(lambda invariant, other: HiSpecModel.from_pretrained(
-            args.base, args.heads_b if other else args.heads, dtype=dtype, batch_invariant=invariant),
-            args.batch_invariant)
-        prompts = bench_prompts(models("autoregressive"), num_prompts, args.prompts)
-        methods = [m for m in args.methods.split(",") if m]
-        res = run_batched(models, prompts, sizes, *bench_settings(args), methods, args.schedule, args.max_batches)
-        results["dtypes"][dtype] = res
-        print(format_batched(res, dtype))
+    dtypes = args.dtypes.split(",")
+    models = {dtype: ModelVariants(lambda invariant, other, dtype=dtype: HiSpecModel.from_pretrained(
+        args.base, args.heads_b if other else args.heads, dtype=dtype, batch_invariant=invariant),
+        args.batch_invariant) for dtype in dtypes}
+    prompts = bench_prompts(models[dtypes[0]]("autoregressive"), num_prompts, args.prompts)
+    methods = [m for m in args.methods.split(",") if m]
+    results["dtypes"] = run_batched(models, prompts, sizes, *bench_settings(args), methods, args.schedule,
+                                    args.max_batches)
+    for dtype, res in results["dtypes"].items():
+        print(format_batched(res, dtype, first=dtypes[0] if len(dtypes) > 1 else None))
     write_json(args.json, results)
     if args.plot is not None:
         plot_batched(results, args.plot)

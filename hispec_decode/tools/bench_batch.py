@@ -2,7 +2,8 @@
 
 For each batch size ``B`` the same prompts are cut into batches of ``B``; every method decodes
 every batch (the order of methods rotates batch by batch, so machine noise hits all alike) and
-the table reports total new tokens per second. transformers decodes a left-padded batch with
+the table reports total new tokens per second. Several dtypes are interleaved the same way (each
+batch decoded in every dtype before the next), so their ratio is not biased by which ran first. transformers decodes a left-padded batch with
 an attention mask and stops when every row is done; the engine decodes a ragged continuous
 batch on its paged cache. Outputs are compared with transformers' row by row, and the paged
 cache's peak bytes with the bytes the sequences need.
@@ -52,22 +53,28 @@ def hf_generate_padded(model, rows: list[list[int]], max_new_tokens: int, eos: f
     return seqs
 
 
-def run_batched(models: Callable[[str], Any], prompts: list[list[int]], batch_sizes: list[int],
-                sampling: SamplingParams, config: SpeculativeConfig, methods: list[str], schedule: str = DEFAULT_SCHEDULE, max_batches: int | None = None) -> dict[str, Any]:
-    """``methods`` may name a verification schedule per method, e.g. ``hispec:gather``; ``models(spec)``
-    is the model a spec runs on (:class:`~hispec_decode.tools.args.ModelVariants`)."""
-    eos = sampling.eos_ids(models("autoregressive").decoder.default_eos_ids())
-    results: dict[str, Any] = {}
+def run_batched(models: dict[str, Callable[[str], Any]], prompts: list[list[int]], batch_sizes: list[int],
+                sampling: SamplingParams, config: SpeculativeConfig, methods: list[str], schedule: str = DEFAULT_SCHEDULE,
+                max_batches: int | None = None) -> dict[str, dict[str, Any]]:
+    """``models[dtype](spec)`` is the model a method spec runs on in that dtype
+    (:class:`~hispec_decode.tools.args.ModelVariants`); ``methods`` may name a verification schedule
+    per method, e.g. ``hispec:gather``. Every batch is decoded by every (dtype, method) in an order that
+    rotates batch by batch, so dtypes are compared under the same machine noise as methods are.
+    Returns ``{dtype: {batch size: rows}}``."""
+    first = models[next(iter(models))]("autoregressive")
+    eos = sampling.eos_ids(first.decoder.default_eos_ids())
+    runs = [(d, m) for d in models for m in methods]
+    results: dict[str, dict[str, Any]] = {d: {} for d in models}
     for b in batch_sizes:
         batches = [prompts[i : i + b] for i in range(0, len(prompts), b)][:max_batches]
-        tallies = {m: BatchTally() for m in methods}
-        for m in methods:  # warm-up at this batch size
-            _decode(models(m), m, batches[0], sampling.replace(max_new_tokens=4), config, eos, schedule)
+        tallies = {r: BatchTally() for r in runs}
+        for d, m in runs:  # warm-up at this batch size
+            _decode(models[d](m), m, batches[0], sampling.replace(max_new_tokens=4), config, eos, schedule)
         for i, batch in enumerate(tqdm(batches, desc=f"batch size {b}", unit="batch")):
-            for m in methods[i % len(methods):] + methods[: i % len(methods)]:
+            for d, m in runs[i % len(runs):] + runs[: i % len(runs)]:
                 t0 = time.perf_counter()
-                seqs, out = _decode(models(m), m, batch, sampling, config, eos, schedule)
-                t = tallies[m]
+                seqs, out = _decode(models[d](m), m, batch, sampling, config, eos, schedule)
+                t = tallies[d, m]
                 t.seconds += time.perf_counter() - t0
                 t.tokens += sum(map(len, seqs))
                 t.outputs += seqs
@@ -77,7 +84,14 @@ def run_batched(models: Callable[[str], Any], prompts: list[list[int]], batch_si
                     t.levels = [level["level"] for level in out.stats["levels"]]
                     t.peak_cache_bytes = max(t.peak_cache_bytes, out.stats["peak_cache_bytes"])
                     t.needed_cache_bytes = max(t.needed_cache_bytes, out.stats["needed_cache_bytes"])
-        results[str(b)] = _rows(tallies)
+        first_dtype = next(iter(models))
+        for d in models:
+            rows = _rows({m: tallies[d, m] for m in methods})
+            for m, row in rows.items():  # the same method in the first dtype, measured batch for batch beside it
+                ref = tallies[first_dtype, m]
+                row["ratio_to_first_dtype"] = round(row["tokens_per_second"] / (ref.tokens / ref.seconds), 3) \
+                    if ref.seconds and ref.tokens else None
+            results[d][str(b)] = rows
     return results
 
 
@@ -114,8 +128,10 @@ def _rows(tallies: dict[str, BatchTally]) -> dict[str, Any]:
     return rows
 
 
-def format_batched(results: dict[str, Any], dtype: str) -> str:
-    head = (f"{'batch':>5} {'method':18} {'tok/s':>8} {'x HF':>6} {'x AR':>6} {'= HF':>7} {'= AR':>7} "
+def format_batched(results: dict[str, Any], dtype: str, first: str | None = None) -> str:
+    """The rows of one dtype; ``first``: the dtype its ``x first`` column compares with."""
+    head = (f"{'batch':>5} {'method':18} {'tok/s':>8} {'x HF':>6} {'x AR':>6} "
+            + (f"{'x ' + first:>10} " if first else "") + f"{'= HF':>7} {'= AR':>7} "
             f"{'cache peak/need':>16}  accepted per level")
     lines = [f"batched throughput ({dtype})", head, "-" * len(head)]
     for b, rows in results.items():
@@ -124,7 +140,9 @@ def format_batched(results: dict[str, Any], dtype: str) -> str:
                 return "-" if x is None else (f"{100 * x:.1f}%" if pct else f"{x:.2f}")
             cache = "-" if not r["peak_cache_bytes"] else f"{r['peak_cache_bytes'] / 2**20:.1f}/{r['needed_cache_bytes'] / 2**20:.1f} MiB"
             lines.append(f"{b:>5} {m:18.18} {r['tokens_per_second']:8.2f} {f(r['ratio_to_transformers']):>6} "
-                         f"{f(r['ratio_to_autoregressive']):>6} {r['matches_transformers'] or '-':>7} "
+                         f"{f(r['ratio_to_autoregressive']):>6} "
+                         + (f"{f(r.get('ratio_to_first_dtype')):>10} " if first else "")
+                         + f"{r['matches_transformers'] or '-':>7} "
                          f"{r.get('matches_autoregressive') or '-':>7} {cache:>16}  "
                          + (" ".join(f"{k} {f(v, True)}" for k, v in (r.get("levels") or {}).items()) or "-"))
     return "\n".join(lines)
