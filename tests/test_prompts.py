@@ -48,6 +48,12 @@ def test_code_prompts_hold_out_what_the_benchmarks_draw():
     sources = collect_prompts(["sharegpt-code", "humaneval"])
     assert {s for s, _ in sources} == {"sharegpt-code", "humaneval"}
     assert not {t for _, t in sources} & held_out
+    # the prompt set sharegpt-code: requests about code no training source holds; tuning's seed shares none with the benchmarks'
+    bench_asks, tune_asks = prompt_set("sharegpt-code", 20), prompt_set("sharegpt-code", 20, seed=1)
+    assert len(set(bench_asks)) == len(set(tune_asks)) == 20 and not set(bench_asks) & set(tune_asks)
+    assert all(CODE_REQUEST.search(t) and t in held_out for t in bench_asks + tune_asks)
+    with pytest.raises(HiSpecError, match="sharegpt-code prompt set holds"):
+        prompt_set("sharegpt-code", 400)
 
 
 def test_held_out_sets_are_in_no_training_tuning_or_calibration_source():

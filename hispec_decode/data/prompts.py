@@ -39,8 +39,8 @@ CHAT_PROMPTS = [
 ]
 
 
-PROMPT_SETS = ("builtin", "sharegpt", "humaneval", "mixed", "continuation", "rewrite", "code", "code-requests",
-               "passages")
+PROMPT_SETS = ("builtin", "sharegpt", "sharegpt-code", "humaneval", "mixed", "continuation", "rewrite", "code",
+               "code-requests", "passages")
 CHAT_FREE = ("continuation", "passages")  # prompt sets of plain text, encoded without the chat template
 HELD_OUT = ("code-requests", "passages")  # sets no calibration, training or tuning data draws from (held_out.py)
 
@@ -167,8 +167,21 @@ def evaluation_prompts() -> frozenset[str]:
     return frozenset(out)
 
 
+def sharegpt_code_prompts(n: int, seed: int = 0) -> list[str]:
+    """The first ``n`` requests about code (:data:`CODE_REQUEST`) among the ShareGPT first turns seed
+    ``seed`` draws for evaluation (so training data never holds them); another seed than the
+    benchmarks' (0) leaves out what seed 0 draws."""
+    firsts = sharegpt_first_turns()
+    taken = set() if seed == EVAL_SEEDS[0] else set(random.Random(EVAL_SEEDS[0]).sample(firsts, EVAL_MAX_PROMPTS[0]))
+    drawn = random.Random(seed).sample(firsts, min(EVAL_MAX_PROMPTS[0], len(firsts)))
+    code = [t for t in drawn if CODE_REQUEST.search(t) and t not in taken]
+    if n > len(code):
+        raise HiSpecError(f"the sharegpt-code prompt set holds {len(code)} prompts for seed {seed}; asked for {n}")
+    return code[:n]
+
+
 def prompt_set(name: str, n: int, seed: int = 0) -> list[str]:
-    """``builtin``, ``sharegpt``, ``humaneval``, ``mixed`` (half ShareGPT, half HumanEval),
+    """``builtin``, ``sharegpt``, ``sharegpt-code`` (its chat-style requests about code), ``humaneval``, ``mixed`` (half ShareGPT, half HumanEval),
     ``continuation`` (plain text), ``rewrite`` (requests to rewrite or extend a given function) or ``code``
     (half HumanEval, half rewrite), ``code-requests`` (chat-style requests for code) or ``passages``
     (openings of public-domain novels, plain text): the last two held out from every other use
@@ -179,6 +192,8 @@ def prompt_set(name: str, n: int, seed: int = 0) -> list[str]:
         return CHAT_PROMPTS[:n]
     if name == "sharegpt":
         return sharegpt_prompts(n, seed)
+    if name == "sharegpt-code":
+        return sharegpt_code_prompts(n, seed)
     if name == "humaneval":
         return humaneval_prompts(n, seed)
     if name == "mixed":

@@ -234,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--num-prompts", type=positive_int, default=len(CHAT_PROMPTS))
     p.add_argument("--prompts", default="builtin", choices=PROMPT_SETS,
-                   help="prompt set: built-in chat prompts, ShareGPT first turns, HumanEval problems, half/half "
+                   help="prompt set: built-in chat prompts, ShareGPT first turns (sharegpt-code: those asking about "
+                        "code), HumanEval problems, half/half "
                         "(mixed), plain text to continue without the chat template (continuation), or requests to "
                         "rewrite, annotate, extend or fix a given function (rewrite: HumanEval's solutions)")
     p.add_argument("--json", type=Path, default=None, help="write the numbers to this file")
