@@ -4,6 +4,7 @@ measured once and kept under $HISPEC_HOME; a policy tuned here wins over it."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from hispec_decode import AdapterError, HiSpecAdapter, HiSpecModel
 from hispec_decode.adapter import ExitSpec
 from hispec_decode.adapter.config import CALIBRATION_NAME
 from hispec_decode.tuning import derive, record
-from hispec_decode.tuning.calibration import load_calibration, record_calibration, save_calibration
+from hispec_decode.tuning.calibration import calibration_id, load_calibration, record_calibration, save_calibration
 
 PROMPTS = [[5, 9, 2, 6], [1, 2, 3, 4, 5, 6, 7, 8], [40, 41]]
 
@@ -66,6 +67,25 @@ def test_the_first_decode_on_a_machine_derives_and_keeps_a_policy(calibrated, tr
     third = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
     assert third.policy(method="hispec").draft_layer in (2, 4)
     assert json.loads(path.read_text())["source"] == "derived"
+
+
+def test_new_calibration_traces_derive_the_policy_again(calibrated, trainable_base, tmp_path, monkeypatch):
+    """The same heads with calibration traces written again (``hispec-tune --write-calibration`` on
+    other prompts) are derived again; the traces they were derived from are kept with the record."""
+    monkeypatch.setenv("HISPEC_HOME", str(tmp_path / "home"))
+    heads = tmp_path / "heads"
+    shutil.copytree(calibrated[0], heads)
+    model = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    model.policy(method="hispec")
+    path = record.policy_path(model)
+    first = json.loads(path.read_text())
+    assert first["calibration"] == calibration_id(heads / CALIBRATION_NAME)
+    save_calibration(heads, record_calibration(model, PROMPTS[1:], 6, [2, 4]), {"prompts": "other"})
+    again = HiSpecModel.from_pretrained(str(trainable_base), heads=str(heads))
+    again.policy(method="hispec")
+    second = json.loads(path.read_text())
+    assert record.policy_path(again) == path and second["source"] == "derived"
+    assert second["calibration"] == calibration_id(heads / CALIBRATION_NAME) != first["calibration"]
 
 
 def test_a_machine_tuned_policy_wins_over_a_derived_one(calibrated, trainable_base, tmp_path, monkeypatch):

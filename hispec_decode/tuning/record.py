@@ -73,7 +73,7 @@ def machine_record(model: Any) -> dict[str, Any] | None:
     adapter = model.adapter
     path = policy_path(model)
     stored = _read(path)
-    if stored is not None and (stored.get("source") != "derived" or stored.get("derivation") == DERIVATION):
+    if stored is not None and _current(stored, adapter):
         return {"policies": stored["policies"], "costs": stored.get("costs") or stored.get("measurements", {}).get(
             "costs"), "arms": stored.get("arms", {})}
     if adapter is None:  # the base alone: traces of a short calibration decode, the vocabulary level's grid
@@ -91,6 +91,18 @@ def machine_record(model: Any) -> dict[str, Any] | None:
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", "adapter's shipped policy"
                        if adapter is not None else "default policy")
         return None
+
+
+def _current(stored: dict[str, Any], adapter: Any) -> bool:
+    """Whether a stored record still holds: a policy tuned on this machine always; a derived one where
+    it was derived by this derivation from the calibration the adapter holds now (traces written again
+    by ``hispec-tune --write-calibration`` derive again)."""
+    if stored.get("source") != "derived":
+        return True
+    if stored.get("derivation") != DERIVATION:
+        return False
+    return adapter is None or adapter.calibration_path is None or \
+        stored.get("calibration") == calibration_id(adapter.calibration_path)
 
 
 def _prior(model: Any, path: Path) -> dict[str, Any]:
