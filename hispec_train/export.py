@@ -62,6 +62,15 @@ def _data_line(training: dict[str, Any]) -> str:
             f"{training.get('records_skipped')} skipped)")
 
 
+def _init_line(training: dict[str, Any]) -> str:
+    """How a run that started from trained heads (``init_heads``) began, for the card."""
+    init = training.get("initialised_from")
+    if not isinstance(init, dict):
+        return ""
+    before = f"{init['steps']}-step " if init.get("steps") else ""
+    return f" continued from the {before}heads `{init.get('adapter')}`"
+
+
 def model_card(adapter: HiSpecAdapter, report: dict[str, Any], steps: int) -> str:
     cfg = adapter.config
     last = report["history"][-1] if report.get("history") else {}
@@ -110,7 +119,7 @@ Heads only ({size:,} parameters); the base model is not included.
 
 - Base: `{cfg.base_model}` (fingerprint `{fingerprint_id(cfg.base_fingerprint)}`; {cfg.num_hidden_layers} layers,
   hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size})
-- Training: {steps} steps, {_data_line(cfg.training)}, sequence length {cfg.training.get('seq_len')}
+- Training: {steps} steps{_init_line(cfg.training)}, {_data_line(cfg.training)}, sequence length {cfg.training.get('seq_len')}
 
 ## Held-out top-1 agreement with the final layer
 

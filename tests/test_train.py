@@ -433,11 +433,17 @@ def test_init_heads_continue_trained_heads_on_new_data(trained_run, trainable_ba
         cont = train(_cfg(trainable_base, data_file, tmp_path / f"cont-{source.name}", exit_vocab_size=30, max_steps=1,
                           lr=1e-9, warmup_steps=0, init_heads=source))
         heads = HiSpecAdapter.from_pretrained(cont / "checkpoint")
-        assert heads.config.training["initialised_from"]["adapter"] == str(source)
+        assert heads.config.training["initialised_from"] == {"adapter": str(source), "steps": 4 if source == exported else None}
         for layer in (1, 3):
             assert torch.equal(heads.head(layer).vocab, saved.head(layer).vocab)
             for k, v in saved.head(layer).state_dict().items():
                 torch.testing.assert_close(heads.head(layer).state_dict()[k], v, rtol=0, atol=1e-6)
+
+    export(cont, tmp_path / "cont-export")
+    assert f"Training: 1 steps continued from the heads `{vocab_run}`" in (tmp_path / "cont-export" / "README.md").read_text()
+    export(tmp_path / f"cont-{exported.name}", tmp_path / "cont-export-2")
+    card = (tmp_path / "cont-export-2" / "README.md").read_text()
+    assert f"Training: 1 steps continued from the 4-step heads `{exported}`" in card
 
     # a few steps from trained heads keep their held-out loss; the same steps from scratch do not reach it
     warm = train(_cfg(trainable_base, data_file, tmp_path / "warm", max_steps=2, lr=3e-4, init_heads=trained_run))
