@@ -118,8 +118,10 @@ class TrainConfig:
             raise HiSpecError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}; got {self.mixed_precision!r}")
         if not self.report_to:
             raise HiSpecError("report_to must name a tracker accelerate knows (tensorboard, wandb, ...) or be none")
-        if not self.dataset or not self.output_dir or self.features == "" or self.init_heads == "":
+        if not self.dataset or not self.output_dir or self.features == "":
             raise HiSpecError("dataset and output_dir must not be empty")
+        if self.init_heads == "":
+            raise HiSpecError("init_heads must name an adapter directory or a run directory, or be none")
         if self.resume and self.overwrite:
             raise HiSpecError("resume and overwrite exclude each other: continue a run, or start it again")
         try:

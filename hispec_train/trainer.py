@@ -20,7 +20,7 @@ from accelerate.utils import set_seed
 from torch import nn
 from tqdm.auto import tqdm
 
-from hispec_decode.adapter import ExitSpec, HiSpecAdapter
+from hispec_decode.adapter import CONFIG_NAME as ADAPTER_CONFIG, ExitSpec, HiSpecAdapter
 from hispec_decode.adapter.fingerprint import compute_fingerprint
 from hispec_decode.errors import HiSpecError
 from hispec_decode.files import check_writable, remove_tree, write_text
@@ -202,7 +202,8 @@ def check_run_dir(cfg: TrainConfig) -> None:
 
 
 def check_data_source(cfg: TrainConfig) -> None:
-    """The feature store or the data set's file exists (checked before anything is loaded or written)."""
+    """The feature store or the data set's file, and the heads ``init_heads`` names, exist (checked before
+    anything is loaded or written)."""
     if cfg.features:
         if not (Path(cfg.features) / STORE_MANIFEST).is_file():
             raise HiSpecError(f"features: {cfg.features} is not a feature store ({STORE_MANIFEST} missing). Build it "
@@ -211,6 +212,11 @@ def check_data_source(cfg: TrainConfig) -> None:
                               f"train without a store: --dataset DATA")
     else:
         check_dataset(cfg.dataset)
+    if cfg.init_heads and not cfg.resume:
+        source = Path(cfg.init_heads)
+        if not ((source / ADAPTER_CONFIG).is_file() or (source / CHECKPOINT_DIR / ADAPTER_CONFIG).is_file()):
+            raise HiSpecError(f"init_heads: {source} is neither an exported adapter nor a run directory with a "
+                              f"checkpoint ({ADAPTER_CONFIG} missing)")
 
 
 def train(cfg: TrainConfig) -> Path:

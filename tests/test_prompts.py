@@ -54,6 +54,8 @@ def test_code_prompts_hold_out_what_the_benchmarks_draw():
     assert all(CODE_REQUEST.search(t) and t in held_out for t in bench_asks + tune_asks)
     with pytest.raises(HiSpecError, match="sharegpt-code prompt set holds"):
         prompt_set("sharegpt-code", 400)
+    with pytest.raises(HiSpecError, match="drawn with seed 0 or 1"):
+        prompt_set("sharegpt-code", 4, seed=7)
 
 
 def test_held_out_sets_are_in_no_training_tuning_or_calibration_source():

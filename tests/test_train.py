@@ -419,7 +419,6 @@ def test_decoder_block_heads_train_export_and_decode_losslessly(trainable_base, 
                                                 num_draft=3).sequences[0] for p in prompts]
 
 
-
 def test_init_heads_continue_trained_heads_on_new_data(trained_run, trainable_base, data_file, tmp_path):
     """``init_heads`` starts a run from trained heads (an export or a run directory), exit
     vocabularies included; other exits, another exit-vocabulary size or another base are refused."""
@@ -439,7 +438,7 @@ def test_init_heads_continue_trained_heads_on_new_data(trained_run, trainable_ba
             for k, v in saved.head(layer).state_dict().items():
                 torch.testing.assert_close(heads.head(layer).state_dict()[k], v, rtol=0, atol=1e-6)
 
-    export(cont, tmp_path / "cont-export")
+    export(tmp_path / f"cont-{vocab_run.name}", tmp_path / "cont-export")  # a run directory's checkpoint has no step count
     assert f"Training: 1 steps continued from the heads `{vocab_run}`" in (tmp_path / "cont-export" / "README.md").read_text()
     export(tmp_path / f"cont-{exported.name}", tmp_path / "cont-export-2")
     card = (tmp_path / "cont-export-2" / "README.md").read_text()
@@ -459,6 +458,8 @@ def test_init_heads_continue_trained_heads_on_new_data(trained_run, trainable_ba
     fp = trainer_mod.compute_fingerprint(loaded.model)
     with pytest.raises(HiSpecError, match="exits .* are .* but this run trains"):
         init_heads(str(exported), fresh, decoder, fp, loaded.name, 30)
+    with pytest.raises(HiSpecError, match="init_heads: .* is neither an exported adapter"):
+        train(_cfg(trainable_base, data_file, tmp_path / "bad0", init_heads=tmp_path / "missing"))
     with pytest.raises(HiSpecError, match="exit_vocab_size=40"):
         train(_cfg(trainable_base, data_file, tmp_path / "bad", exit_vocab_size=40, init_heads=exported))
     other = tmp_path / "other"

@@ -168,9 +168,12 @@ def evaluation_prompts() -> frozenset[str]:
 
 
 def sharegpt_code_prompts(n: int, seed: int = 0) -> list[str]:
-    """The first ``n`` requests about code (:data:`CODE_REQUEST`) among the ShareGPT first turns seed
-    ``seed`` draws for evaluation (so training data never holds them); another seed than the
-    benchmarks' (0) leaves out what seed 0 draws."""
+    """The first ``n`` requests about code (:data:`CODE_REQUEST`) among the ShareGPT first turns an
+    evaluation seed (:data:`EVAL_SEEDS`) draws, which training data leaves out; tuning's seed leaves out
+    what the benchmarks' seed (0) draws."""
+    if seed not in EVAL_SEEDS:
+        raise HiSpecError(f"the sharegpt-code prompt set is drawn with seed {' or '.join(map(str, EVAL_SEEDS))} "
+                          f"(those prompts are left out of training); got seed {seed}")
     firsts = sharegpt_first_turns()
     taken = set() if seed == EVAL_SEEDS[0] else set(random.Random(EVAL_SEEDS[0]).sample(firsts, EVAL_MAX_PROMPTS[0]))
     drawn = random.Random(seed).sample(firsts, min(EVAL_MAX_PROMPTS[0], len(firsts)))
@@ -181,7 +184,8 @@ def sharegpt_code_prompts(n: int, seed: int = 0) -> list[str]:
 
 
 def prompt_set(name: str, n: int, seed: int = 0) -> list[str]:
-    """``builtin``, ``sharegpt``, ``sharegpt-code`` (its chat-style requests about code), ``humaneval``, ``mixed`` (half ShareGPT, half HumanEval),
+    """``builtin``, ``sharegpt``, ``sharegpt-code`` (its chat-style requests about code), ``humaneval``,
+    ``mixed`` (half ShareGPT, half HumanEval),
     ``continuation`` (plain text), ``rewrite`` (requests to rewrite or extend a given function) or ``code``
     (half HumanEval, half rewrite), ``code-requests`` (chat-style requests for code) or ``passages``
     (openings of public-domain novels, plain text): the last two held out from every other use

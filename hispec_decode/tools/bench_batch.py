@@ -3,8 +3,8 @@
 For each batch size ``B`` the same prompts are cut into batches of ``B``; every method decodes
 every batch (the order of methods rotates batch by batch, so machine noise hits all alike) and
 the table reports total new tokens per second. Several dtypes are interleaved the same way (each
-batch decoded in every dtype before the next), so their ratio is not biased by which ran first. transformers decodes a left-padded batch with
-an attention mask and stops when every row is done; the engine decodes a ragged continuous
+batch decoded in every dtype before the next), so their ratio is not biased by which ran first.
+transformers decodes a left-padded batch with an attention mask and stops when every row is done; the engine decodes a ragged continuous
 batch on its paged cache. Outputs are compared with transformers' row by row, and the paged
 cache's peak bytes with the bytes the sequences need.
 """
@@ -61,8 +61,8 @@ def run_batched(models: dict[str, Callable[[str], Any]], prompts: list[list[int]
     per method, e.g. ``hispec:gather``. Every batch is decoded by every (dtype, method) in an order that
     rotates batch by batch, so dtypes are compared under the same machine noise as methods are.
     Returns ``{dtype: {batch size: rows}}``."""
-    first = models[next(iter(models))]("autoregressive")
-    eos = sampling.eos_ids(first.decoder.default_eos_ids())
+    first_dtype = next(iter(models))
+    eos = sampling.eos_ids(models[first_dtype]("autoregressive").decoder.default_eos_ids())
     runs = [(d, m) for d in models for m in methods]
     results: dict[str, dict[str, Any]] = {d: {} for d in models}
     for b in batch_sizes:
@@ -84,7 +84,6 @@ def run_batched(models: dict[str, Callable[[str], Any]], prompts: list[list[int]
                     t.levels = [level["level"] for level in out.stats["levels"]]
                     t.peak_cache_bytes = max(t.peak_cache_bytes, out.stats["peak_cache_bytes"])
                     t.needed_cache_bytes = max(t.needed_cache_bytes, out.stats["needed_cache_bytes"])
-        first_dtype = next(iter(models))
         for d in models:
             rows = _rows({m: tallies[d, m] for m in methods})
             for m, row in rows.items():  # the same method in the first dtype, measured batch for batch beside it
