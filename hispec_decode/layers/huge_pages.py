@@ -53,19 +53,9 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
         key = storage.data_ptr()
         storages.setdefault(key, storage)
         views.setdefault(key, []).append(t)
-    total = sum(_padded(s.nbytes()) for s in storages.values())
-    if total == 0:
-        return 0
-    try:
-        region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        start = (-torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()) % HUGE_PAGE
-        whole = total // HUGE_PAGE * HUGE_PAGE  # a tail shorter than a huge page stays on small pages
-        if whole:
-            region.madvise(mmap.MADV_HUGEPAGE, start, whole)
-        # the storage: the aligned bytes only (it holds the mapping for as long as any view lives)
-        arena = torch.frombuffer(region, dtype=torch.uint8, offset=start, count=total)
-    except (OSError, ValueError) as exc:  # no memory to map, or advice refused: the weights stay as they are
-        logger.warning("weights stay on their own pages: %s", exc)
+    total = sum(padded(s.nbytes()) for s in storages.values())
+    arena = huge_page_buffer(total)
+    if arena is None:
         return 0
     target = arena.untyped_storage()
     offset = 0
@@ -76,11 +66,30 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
         with torch.no_grad():  # (parameters too)
             for t in views[key]:  # offsets in t's elements: every storage starts 64-byte aligned
                 t.set_(target, offset // t.element_size() + t.storage_offset(), t.size(), t.stride())
-        offset += _padded(n)
+        offset += padded(n)
         del storage
     return total
 
 
-def _padded(n: int) -> int:
+def padded(n: int) -> int:
+    """``n`` bytes rounded up to a whole cache line (where the next tensor in a buffer starts)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
+    """A uint8 tensor of ``nbytes`` on a mapping of its own, starting on a 2 MiB boundary, its whole
+    huge pages advised ``MADV_HUGEPAGE`` (a shorter tail stays on small pages); None where huge pages
+    are off or the mapping fails. The tensor's storage holds the mapping for as long as any view lives."""
+    if not enabled() or nbytes <= 0:
+        return None
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        start = (-torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()) % HUGE_PAGE
+        whole = nbytes // HUGE_PAGE * HUGE_PAGE
+        if whole:
+            region.madvise(mmap.MADV_HUGEPAGE, start, whole)
+        return torch.frombuffer(region, dtype=torch.uint8, offset=start, count=nbytes)
+    except (OSError, ValueError) as exc:  # no memory to map, or advice refused
+        logger.warning("weights stay on small pages: %s", exc)
+        return None
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import HiSpecError
-from ..layers.huge_pages import move_to_huge_pages
+from ..layers.huge_pages import huge_page_buffer, padded
 from ..layers.quant import SERVED, BlockEmbedding, BlockLinear, block_shape, fuse_runs, pack, type_name
 from .gguf_file import read_header
 from .registry import FAMILIES, check_supported
@@ -162,27 +162,51 @@ def _pread(fd: int, view: torch.Tensor, begin: int, end: int, what: str) -> None
         done += n
 
 
-def _read_fused(model: nn.Module, path: Path, groups: tuple[tuple[str, ...], ...]) -> None:
-    """Read the blocks of sibling linears the decoder fuses (``groups``: its family's ``FUSED_LINEARS``, in
-    runs as :func:`fuse_runs`) into one buffer per run, side by side, the modules holding views of it:
-    fusing them then copies nothing. Read with ``pread``, not through the file's mapping, whose pages for
-    them are never touched: the weights are resident once, not also in the mapping (which holds the rest)."""
+def _read_blocks(model: nn.Module, path: Path, groups: tuple[tuple[str, ...], ...], tied: bool) -> None:
+    """Read every block weight of ``model`` into one buffer on 2 MiB pages
+    (:func:`~hispec_decode.layers.huge_pages.huge_page_buffer`; ordinary memory where those are off),
+    the modules holding views of it. The blocks of sibling linears the decoder fuses (``groups``: its
+    family's ``FUSED_LINEARS``, in runs as :func:`fuse_runs`) lie side by side, so fusing them copies
+    nothing. Read with ``pread``, not through the file's mapping, whose pages for them are never
+    touched: the weights are resident once. An embedding table stays in the mapping, where only the
+    rows decoding looks up become resident, unless it is ``tied`` to the LM head, which reads all of it."""
     offsets = _offsets(path)
     names = {m: n for n, m in model.named_modules()}
+    runs: list[list[BlockLinear]] = []
+    placed: set[int] = set()
+    for parent in names:
+        for group in groups:
+            members = [getattr(parent, leaf, None) for leaf in group]
+            if all(isinstance(m, BlockLinear) for m in members):
+                runs += fuse_runs(members)
+                placed.update(id(m) for m in members)
+    sources: dict[int, str] = {}  # module -> its tensor in the file (an embedding's table: the embedding's)
+    for module, name in names.items():
+        if isinstance(module, BlockEmbedding):
+            if tied:
+                sources[id(module.table)] = f"{name}.weight"
+        elif isinstance(module, BlockLinear) and f"{name}.weight" in offsets:
+            sources.setdefault(id(module), f"{name}.weight")
+    for module in names:
+        if isinstance(module, BlockLinear) and id(module) in sources and id(module) not in placed:
+            runs.append([module])
+    sizes = [sum(m.blocks.numel() for m in run) for run in runs]
+    total = sum(padded(n) for n in sizes)
+    buffer = huge_page_buffer(total)
+    if buffer is None:
+        buffer = torch.empty(total, dtype=torch.uint8)
     fd = os.open(path, os.O_RDONLY)
     try:
-        for parent in list(names):
-            for group in groups:
-                members = [getattr(parent, leaf, None) for leaf in group]
-                if not all(isinstance(m, BlockLinear) for m in members):
-                    continue
-                for run in (r for r in fuse_runs(members) if len(r) > 1):
-                    fused = torch.empty(sum(m.out_features for m in run), run[0].blocks.shape[1], dtype=torch.uint8)
-                    row = 0
-                    for m in run:
-                        view = fused[row: row + m.out_features]
-                        _pread(fd, view, *offsets[f"{names[m]}.weight"], f"{path}: {names[m]}.weight")
-                        m.blocks, row = view, row + m.out_features
+        offset = 0
+        for run, size in zip(runs, sizes):
+            width = run[0].blocks.shape[1]
+            fused = buffer[offset: offset + size].view(size // width, width)
+            row = 0
+            for m in run:
+                view = fused[row: row + m.out_features]
+                _pread(fd, view, *offsets[sources[id(m)]], f"{path}: {sources[id(m)]}")
+                m.blocks, row = view, row + m.out_features
+            offset += padded(size)
     finally:
         os.close(fd)
 
@@ -216,11 +240,12 @@ def load_native(directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Modu
         else:
             raise HiSpecError(f"{directory}: {name} ({type_name(kind)}) is neither a linear nor the embedding")
         setattr(parent, leaf, new)
-    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in types:
+    tied = getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in types
+    _read_blocks(model, directory / WEIGHTS, FAMILIES[config.model_type].FUSED_LINEARS, tied)
+    if tied:
         table = model.get_input_embeddings()
         if isinstance(table, BlockEmbedding):
             model.lm_head = BlockLinear(table.table.blocks, table.table.ggml_type, table.embedding_dim, None, dtype)
-    _read_fused(model, directory / WEIGHTS, FAMILIES[config.model_type].FUSED_LINEARS)
     missing = model.load_state_dict(tensors, strict=False, assign=True).missing_keys
     still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if still_meta:
@@ -232,6 +257,4 @@ def load_native(directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Modu
         model.generation_config = GenerationConfig.from_pretrained(directory)
     except OSError:
         pass
-    # the blocks (what every step reads) on 2 MiB pages; a tied LM head shares the embedding's tensor
-    move_to_huge_pages(m.blocks for m in model.modules() if isinstance(m, BlockLinear))
     return model.eval().requires_grad_(False)
