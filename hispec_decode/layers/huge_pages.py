@@ -1,5 +1,6 @@
 """Weights on 2 MiB pages: one anonymous mapping, advised ``MADV_HUGEPAGE``, that a model's large
-read-only tensors are copied into.
+read-only tensors are read into (:func:`huge_page_buffer`: the GGUF loader reads its blocks straight
+into one) or copied into (:func:`move_to_huge_pages`: packed bf16 copies, vocabulary rows).
 
 Decoding one token reads every weight once, gigabytes a second in streams the hardware prefetches.
 On 4 KiB pages each page of such a stream costs a TLB miss and a page walk (a 1 GB model: 262,144

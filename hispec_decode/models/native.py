@@ -186,7 +186,7 @@ def _read_blocks(model: nn.Module, path: Path, groups: tuple[tuple[str, ...], ..
             if tied:
                 sources[id(module.table)] = f"{name}.weight"
         elif isinstance(module, BlockLinear) and f"{name}.weight" in offsets:
-            sources.setdefault(id(module), f"{name}.weight")
+            sources[id(module)] = f"{name}.weight"
     for module in names:
         if isinstance(module, BlockLinear) and id(module) in sources and id(module) not in placed:
             runs.append([module])
