@@ -18,6 +18,7 @@ from .adapter.vocabulary import VOCAB_NAME, calibration_prompts, calibration_wei
 from .config import SPECULATIVE_FIELDS, EngineConfig, SpeculativeConfig, checked, split_overrides, unknown_arguments
 from .decoding.cost_model import CostModel
 from .decoding.policy import TUNABLE, Policy, resolve_policy
+from .engine.cost_clock import CostClock
 from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
 from .errors import AdapterError, HiSpecError
@@ -65,6 +66,8 @@ class HiSpecModel:
             heads = {int(k): h.to(decoder.dtype).eval().requires_grad_(False) for k, h in adapter.heads.items()}
         self.runner = ModelRunner(decoder, heads)
         self._machine: dict[str, Any] | None = None  # see machine_record
+        # what steps take per priced second (engine/cost_clock.py), shared by this model's engines, for these costs
+        self._clock: tuple[CostModel, CostClock] | None = None
         self.source: dict[str, Any] | None = None  # from_pretrained's arguments, where it loaded the model
 
     def machine_record(self) -> dict[str, Any]:
@@ -207,7 +210,15 @@ class HiSpecModel:
         if speculative.guard and speculative.method != "autoregressive":  # each sequence chooses its rounds
             costs = self.machine_costs()
             priors = (self.machine_record().get("arms") or {}).get(speculative.method)
-        return LLMEngine(runner, speculative, policy, engine, sampling, costs, priors)
+        return LLMEngine(runner, speculative, policy, engine, sampling, costs, priors, self.cost_clock(costs))
+
+    def cost_clock(self, costs: CostModel | None) -> CostClock | None:
+        """The clock this model's engines share for ``costs`` (a new one where the costs changed)."""
+        if costs is None:
+            return None
+        if self._clock is None or self._clock[0] != costs:
+            self._clock = (costs, CostClock())
+        return self._clock[1]
 
     def token_ranking(self) -> torch.Tensor:
         """Token ids, the ones the base emits most often first: the vocabulary level's rows

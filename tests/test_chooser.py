@@ -15,6 +15,7 @@ from hispec_decode import HiSpecAdapter, HiSpecModel, SamplingParams
 from hispec_decode.adapter import ExitSpec
 from hispec_decode.decoding.cost_model import CostModel
 from hispec_decode.engine import chooser
+from hispec_decode.engine.cost_clock import CostClock
 from hispec_decode.engine.chooser import ARMS, MAX_RETRY_EVERY, RoundChooser, arm_policies, request_seconds
 
 CHOOSE = RoundChooser.choose  # the real one (the suite's autouse fixture makes it return the policy)
@@ -33,7 +34,10 @@ def flat_costs(num_layers: int, layers: tuple[int, ...] = (1, 2, 3, 4), full: fl
 
 @pytest.fixture
 def choosing(monkeypatch):
+    """The real chooser, pricing with the given costs alone: the engine's clock is held at 1 (how long a
+    tiny model's steps take is not what these tests are about; tests/test_cost_clock.py times a host)."""
     monkeypatch.setattr(RoundChooser, "choose", CHOOSE)
+    monkeypatch.setattr(CostClock, "observe", lambda self, key, seconds, priced: None)
 
 
 def _with_costs(model: HiSpecModel, monkeypatch, costs: CostModel | None = None) -> HiSpecModel:
@@ -62,7 +66,7 @@ def test_any_order_of_arms_is_lossless(arch, tiny_models, hispec_models, monkeyp
 
     def anywhere(self, seq):
         self.arm = rng.choice(self.offered(seq))
-        self.seconds = 0.0
+        self.seconds = {}
         return self.policies[self.arm]
 
     monkeypatch.setattr(RoundChooser, "choose", anywhere)
@@ -95,7 +99,7 @@ def test_samples_with_random_arms_follow_the_base_distribution(small_vocab_model
     def anywhere(self, seq):
         self.arm = rng.choice(self.offered(seq))
         arms[self.arm] = arms.get(self.arm, 0) + 1
-        self.seconds = 0.0
+        self.seconds = {}
         return self.policies[self.arm]
 
     monkeypatch.setattr(RoundChooser, "choose", anywhere)
@@ -173,9 +177,10 @@ def test_a_round_is_priced_as_the_replay_prices_it(tiny_models):
     assert check == pytest.approx(costs.band(0, LAYERS, 2) + costs.exit(LAYERS, 3) + costs.speculative_request)
     c = RoundChooser(policy, costs, LAYERS)
     c.choose(seq)
-    c.price(BandRequest(seq, 0, 1))
-    c.price(BandRequest(seq, 1, 3))
-    assert c.seconds == pytest.approx(draft + check)
+    c.price((1, 0, 1), draft)
+    c.price((1, 1, 2), check)
+    c.price((1, 1, 2), check)
+    assert c.seconds == pytest.approx({(1, 0, 1): draft, (1, 1, 2): 2 * check})
 
 
 def test_arms_keep_the_levels_and_retries_back_off(choosing):
@@ -188,14 +193,16 @@ def test_arms_keep_the_levels_and_retries_back_off(choosing):
     assert arms["copy"].lookup and arms["copy"].draft_threshold > 1 and not arms["exit"].lookup
     c = RoundChooser(policy, flat_costs(LAYERS, (2, 4, -50)), LAYERS, priors={"policy": 1e-6, "exit": 1e-6,
                                                                               "copy": 1e-6})
-    repeating = type("Seq", (), {"room": lambda self: 10, "tokens": [1, 2, 1, 2], "batch_size": 1, "drafter_state": {}})()
-    fresh = type("Seq", (), {"room": lambda self: 10, "tokens": [1, 2, 3, 4], "batch_size": 1, "drafter_state": {}})()
+    repeating = type("Seq", (), {"room": lambda self: 10, "tokens": [1, 2, 1, 2], "batch_size": 1, "drafter_state": {},
+                          "exits": (2, 4, LAYERS)})()
+    fresh = type("Seq", (), {"room": lambda self: 10, "tokens": [1, 2, 3, 4], "batch_size": 1, "drafter_state": {},
+                          "exits": (2, 4, LAYERS)})()
     assert c.offered(repeating) == ["policy", "plain", "exit", "copy"] and c.offered(fresh) == ["policy", "plain"]
     tried = []
     for _ in range(600):  # drafts never commit more than a plain step here: retries back off
         c.choose(fresh)
         tried.append(c.arm)
-        c.seconds = 1.0 if c.arm != "plain" else 1e-3
+        c.seconds = {(1, 0, 1): 1.0} if c.arm != "plain" else {}
         c.record(1)
     late = tried[300:]
     assert late.count("policy") <= 300 // MAX_RETRY_EVERY + 1 and late.count("plain") >= 290
@@ -213,9 +220,12 @@ def test_in_a_batch_each_sequence_follows_its_own_evidence(tmp_path, choosing, m
     out = model.generate(prompts, max_new_tokens=60, method="hispec", draft_layer=1, verify_layer=3, num_draft=3)
     assert out.sequences == [accepting.hf_generate(p, 60) for p in prompts]
     for seq in out.seqs:  # in the batch of four, each sequence's own rounds rate its drafts above plain decoding
-        evidence = seq.chooser.evidence
-        measured = [kind for arm, kind, size in evidence if arm == "policy" and size == 4]
-        assert measured and all(evidence["policy", kind, 4].rate > evidence["plain", kind, 4].rate for kind in measured)
+        c = seq.chooser
+        measured = [kind for arm, kind, size in c.evidence if arm == "policy" and size == 4]
+        assert measured
+        for kind in measured:
+            c.key = (kind, 4)
+            assert c.rate("policy") > c.rate("plain"), kind
     rounds = sum(out.stats["arms"].values())
     assert rounds <= 0.5 * sum(len(s) for s in out.sequences), out.stats["arms"]  # 2+ tokens a round
 

@@ -14,8 +14,10 @@ they are offered only there. Evidence, per sequence, kind, arm and batch-size cl
 16 and more: a drafted row costs little alone and much in a big batch): the tokens its rounds committed
 and what those rounds cost, both decayed (:data:`DECAY` per round of that arm), so a sequence follows its
 text as it changes. A round's cost is priced, not timed: each pass it made is priced by the machine's
-:class:`~hispec_decode.decoding.cost_model.CostModel` (:func:`request_seconds`), so evidence does not
-depend on what else the machine is doing. In a batch a request is priced at the sequence's share of the
+:class:`~hispec_decode.decoding.cost_model.CostModel` (:func:`request_seconds`), kept by the class of step
+it ran in, and read at what such steps take now (the engine's :class:`~.cost_clock.CostClock`, a running
+mean over many steps): a record measured at another speed, or with passes' costs wrong relative to one
+another, is followed, and one stalled step moves nothing much. In a batch a request is priced at the sequence's share of the
 step's passes: its share of one row per sequence, and each extra row at the average cost of all the
 step's extra rows on the machine's row-cost curve. So when many sequences draft at once, every drafted row
 costs more, and the sequences whose drafts are accepted least turn plain first: the batch's rows go to
@@ -27,8 +29,8 @@ decoding's rate, which the costs give); in a batch, plain decoding's rate for ev
 speculates only once a sequence's own rounds show it pays there. The chooser takes the arm of highest
 rate (on a tie, the policy alone and plain decoding in a batch); an arm out of favour is retried after
 :data:`RETRY_EVERY` rounds of its kind, twice as rarely after each retry that loses (at most
-:data:`MAX_RETRY_EVERY`), so exploring costs a bounded share of the rounds; plain decoding is never
-retried, nor priced (its rate is the costs' own). Decisions read past verdicts and whether a copy exists now, never
+:data:`MAX_RETRY_EVERY`), so exploring costs a bounded share of the rounds; plain decoding is retried
+too (so the clock sees its steps), never priced (its rate is the costs' step at the clock's factor). Decisions read past verdicts and whether a copy exists now, never
 the verifier's output for the tokens being decided: every arm is lossless, so the choice changes only
 speed. A new sequence starts from the prior: no request pays for another's text.
 """
@@ -42,6 +44,7 @@ from ..decoding.cost_model import CostModel
 from ..decoding.policy import Policy
 from . import drafters
 from .drafters.exit import OFF
+from .cost_clock import CostClock, StepClass, size_class
 from .sequence import BandRequest, Sequence
 
 ARMS = ("policy", "plain", "exit", "copy")
@@ -49,7 +52,6 @@ DECAY = 0.9  # weight of an arm's earlier rounds, per round of that arm
 PRIOR_ROUNDS = 4.0  # the prior's weight, in plain steps' seconds
 RETRY_EVERY = 6  # rounds of its kind before an arm out of favour is tried again, at first
 MAX_RETRY_EVERY = 96  # ... and at most, after retries that keep losing
-MAX_CLASS = 16  # batch sizes from here on share their evidence
 
 
 def arm_policies(policy: Policy) -> dict[str, Policy]:
@@ -66,11 +68,6 @@ def arm_policies(policy: Policy) -> dict[str, Policy]:
     }
 
 
-def size_class(batch_size: int) -> int:
-    """The batch-size class whose evidence a round at ``batch_size`` reads and adds to: 1, 2, 4, 8 or 16."""
-    return min(1 << (max(batch_size, 1).bit_length() - 1), MAX_CLASS)
-
-
 def request_seconds(costs: CostModel, request: BandRequest, seqs: int = 1, total_rows: int | None = None) -> float:
     """What ``request`` costs under ``costs`` (before it is served): each band's layers over the rows that
     band has not run yet (bands over the same rows run as one slice, as the runner does), the exit head on
@@ -78,7 +75,7 @@ def request_seconds(costs: CostModel, request: BandRequest, seqs: int = 1, total
     in all (the request's share, :meth:`CostModel.share`)."""
     seq = request.seq
     top = request.top_band
-    rows = request_rows(request)
+    rows = request.band_rows()
     plain = top == len(seq.exits) - 1 and request.num_logits == 1 and len(set(rows)) == 1
     seconds, band = 0.0, 0
     while band <= top:
@@ -94,22 +91,17 @@ def request_seconds(costs: CostModel, request: BandRequest, seqs: int = 1, total
     return seconds + (costs.request if plain else costs.speculative_request)
 
 
-def request_rows(request: BandRequest) -> list[int]:
-    """The rows each band up to the request's top runs for it (those it has not run yet)."""
-    seq = request.seq
-    return [max(0, request.end - seq.processed(b)) for b in range(request.top_band + 1)]
-
-
 @dataclass
 class _Evidence:
     tokens: float  # committed tokens of this arm's rounds, decayed
-    seconds: float  # their priced seconds, decayed
+    seconds: dict[StepClass, float]  # their priced seconds by step class, decayed
     since: int = 0  # rounds of its kind since it last ran
     retry_every: int = RETRY_EVERY
 
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    def rate(self, clock: CostClock) -> float:
+        """Tokens per second, each class's priced seconds at what such steps take now."""
+        seconds = sum(s * clock.factor(key) for key, s in self.seconds.items())
+        return self.tokens / seconds if seconds > 0 else 0.0
 
 
 @dataclass
@@ -120,9 +112,11 @@ class RoundChooser:
     costs: CostModel
     num_layers: int
     priors: dict[str, float] = field(default_factory=dict)  # arm -> predicted tokens per second, alone
+    clock: CostClock = field(default_factory=CostClock)  # the engine's: what steps take per priced second
     arm: str = "policy"  # the arm of the round running now
     key: tuple[bool, int] = (False, 1)  # the round's kind (whether it could copy) and batch-size class
-    seconds: float = 0.0  # priced seconds of the round running now
+    top: int = 0  # the sequence's top band (plain decoding's steps run 1 row up to it)
+    seconds: dict[StepClass, float] = field(default_factory=dict)  # priced seconds of the running round, by class
     picks: dict[str, int] = field(default_factory=dict)  # rounds each arm ran (the statistics report them)
 
     def __post_init__(self) -> None:
@@ -143,46 +137,63 @@ class RoundChooser:
         """The policy of the round starting now (its arm is kept for :meth:`record`)."""
         offered = self.offered(seq)
         self.key = (len(offered) > 2, size_class(seq.batch_size))
+        self.top = len(seq.exits) - 1
         evidence = {arm: self._evidence(arm) for arm in offered}
         for e in evidence.values():
             e.since += 1
         favourite = "policy" if self.key[1] == 1 else "plain"
-        best = max(offered, key=lambda a: (evidence[a].rate, a == favourite))
-        # plain decoding's rate is the costs' own (no evidence to gather): only drafting arms are retried
-        stale = [a for a in offered if a not in (best, "plain") and evidence[a].since >= evidence[a].retry_every]
+        rates = {arm: self.rate(arm) for arm in offered}
+        best = max(offered, key=lambda a: (rates[a], a == favourite))
+        stale = [a for a in offered if a != best and evidence[a].since >= evidence[a].retry_every]
         self.arm = max(stale, key=lambda a: evidence[a].since) if stale else best
-        self.seconds = 0.0
+        self.seconds = {}
         self.picks[self.arm] = self.picks.get(self.arm, 0) + 1
         return self.policies[self.arm]
 
-    def price(self, request: BandRequest, total_rows: int | None = None) -> None:
-        """Add a request of the running round to its cost (before it is served); ``total_rows``: the rows of
-        every sequence in the step (see :func:`request_seconds`). Plain rounds are not priced: their rate is the
-        costs' own, the prior's."""
-        if self.arm == "plain":
-            return
-        self.seconds += request_seconds(self.costs, request, request.seq.batch_size, total_rows)
+    def rate(self, arm: str) -> float:
+        """``arm``'s tokens per second in the running round's kind and batch-size class: its evidence, or for
+        plain decoding the costs' own step at what plain steps take now."""
+        if arm == "plain":
+            return 1.0 / (self._plain_step() * self.clock.factor(self._plain_class()))
+        return self._evidence(arm).rate(self.clock)
+
+    def price(self, key: StepClass, seconds: float) -> None:
+        """Add a request of the running round to its cost (before it is served): ``seconds`` priced by
+        :func:`request_seconds` in a step of class ``key``. Plain rounds are not priced: their rate is the
+        costs' own."""
+        if self.arm != "plain":
+            self.seconds[key] = self.seconds.get(key, 0.0) + seconds
 
     def record(self, tokens: int) -> None:
         """The round of :attr:`arm` ended with ``tokens`` committed."""
-        if self.arm == "plain":  # its evidence stays the costs' rate (it is never retried)
-            return
         e = self._evidence(self.arm)
         kinds = ARMS if self.key[0] else ("policy", "plain")
-        leader = max(self._evidence(a).rate for a in kinds if a != self.arm)
+        leader = max(self.rate(a) for a in kinds if a != self.arm)
         was_retry = e.since >= e.retry_every
-        e.tokens = DECAY * e.tokens + tokens
-        e.seconds = DECAY * e.seconds + max(self.seconds, 1e-9)
+        if self.arm != "plain":  # plain decoding's rate stays the costs' own (:meth:`rate`)
+            e.tokens = DECAY * e.tokens + tokens
+            for key in set(e.seconds) | set(self.seconds):
+                e.seconds[key] = DECAY * e.seconds.get(key, 0.0) + self.seconds.get(key, 0.0)
         if was_retry:  # a retry that loses waits twice as long for the next one
-            e.retry_every = RETRY_EVERY if e.rate >= leader else min(2 * e.retry_every, MAX_RETRY_EVERY)
+            e.retry_every = RETRY_EVERY if self.rate(self.arm) >= leader else min(2 * e.retry_every, MAX_RETRY_EVERY)
         e.since = 0
 
+    def _plain_step(self) -> float:
+        """Priced seconds of one plain decoding step, per sequence, in the running round's batch-size class."""
+        size = self.key[1]
+        return self.costs.full_step(self.num_layers, size) / size + self.costs.request
+
+    def _plain_class(self) -> StepClass:
+        return self.key[1], self.top, 1
+
     def _evidence(self, arm: str) -> _Evidence:
-        """The arm's evidence for the running round's kind and batch-size class, from the prior at first."""
+        """The arm's evidence for the running round's kind and batch-size class, from the prior at first: a
+        prior's seconds are plain steps' (it says how much faster than plain decoding the arm is)."""
         copying, size = self.key
         e = self.evidence.get((arm, copying, size))
         if e is None:
-            step = self.costs.full_step(self.num_layers, size) / size + self.costs.request
+            step = self._plain_step()
             rate = (self.priors.get(arm) if size == 1 else None) or 1.0 / max(step, 1e-9)
-            e = self.evidence[arm, copying, size] = _Evidence(PRIOR_ROUNDS * step * rate, PRIOR_ROUNDS * step)
+            e = self.evidence[arm, copying, size] = _Evidence(PRIOR_ROUNDS * step * rate,
+                                                              {self._plain_class(): PRIOR_ROUNDS * step})
         return e

@@ -13,6 +13,7 @@ batched pass. A request whose prompt plus token limit cannot fit in the whole po
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence as Seq
 
@@ -23,7 +24,8 @@ from ..errors import HiSpecError, OutOfBlocksError
 from ..inputs import prompt_rows
 from ..sampling_params import SamplingParams
 from ..decoding.cost_model import CostModel
-from .chooser import RoundChooser, request_rows
+from .chooser import RoundChooser, request_seconds
+from .cost_clock import CostClock, StepClass, step_class
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import BandRequest, Sequence, Status
@@ -50,10 +52,12 @@ class LLMEngine:
 
     def __init__(self, runner: ModelRunner, speculative_config: SpeculativeConfig, policy: Policy,
                  engine_config: EngineConfig | None = None, sampling_params: SamplingParams | None = None,
-                 costs: CostModel | None = None, priors: dict[str, float] | None = None) -> None:
+                 costs: CostModel | None = None, priors: dict[str, float] | None = None,
+                 clock: CostClock | None = None) -> None:
         engine_config = engine_config or EngineConfig()
-        # with this machine's pass costs, each sequence chooses its rounds' arms (engine/chooser.py)
-        self.costs, self.priors = costs, priors or {}
+        # with this machine's pass costs, each sequence chooses its rounds' arms (engine/chooser.py), at what
+        # steps take now (engine/cost_clock.py; a model's engines share its clock)
+        self.costs, self.priors, self.clock = costs, priors or {}, clock or CostClock()
         self.runner, self.speculative_config, self.policy = runner, speculative_config, policy
         self.engine_config, self.sampling_params = engine_config, sampling_params or SamplingParams()
         self.method = speculative_config.method
@@ -95,7 +99,7 @@ class LLMEngine:
         seq = Sequence(rid, row, manager, self.exits, TokenSampler(params), limit,
                        params.eos_ids(decoder.default_eos_ids()), self.policy, self.cache)
         if self.choosing and seq.sampler.path_free:  # a seeded sample follows its policy (its path)
-            seq.chooser = RoundChooser(self.policy, self.costs, decoder.num_layers, self.priors)
+            seq.chooser = RoundChooser(self.policy, self.costs, decoder.num_layers, self.priors, self.clock)
         self.sequences[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -111,8 +115,9 @@ class LLMEngine:
             seq.request = next(seq.decode_loop)
         if not self.scheduler.running:
             return []
+        start = time.perf_counter()
         batch, requests = self._prefill_budget(self.scheduler.next_batch())
-        self._price(batch, requests)
+        priced = self._price(batch, requests)
         logits = self.runner.advance(requests, self.cache)
         usage = self.cache.manager.usage()  # the step's high point: drafts written, nothing truncated yet
         self.peak_slots = max(self.peak_slots, usage["slots_held"])
@@ -133,20 +138,27 @@ class LLMEngine:
                 seq.reported = seq.committed
             if done:
                 self.scheduler.finish(seq)
+        if priced is not None:
+            self.clock.observe(priced[0], time.perf_counter() - start, priced[1])
         self.steps += 1
         return outputs
 
-    @staticmethod
-    def _price(batch: list[Sequence], requests: list[BandRequest]) -> None:
-        """Each chooser prices its round's request in this step (before it runs), at its share of the rows
-        the step's decoding sequences spend (a prefill's rows are nobody's choice)."""
+    def _price(self, batch: list[Sequence], requests: list[BandRequest]) -> tuple[StepClass, float] | None:
+        """Price each decoding request of this step (before it runs) at its share of the rows the step's
+        decoding sequences spend, for its chooser (a prefill's rows are nobody's choice). Returns the step's
+        class and priced seconds where every request decodes (a step the clock can learn from), else None."""
+        if not self.choosing:
+            return None
         decoding = [r for s, r in zip(batch, requests) if r is s.request and s.processed(0) >= s.committed - 1]
-        if not any(r.seq.chooser is not None for r in decoding):
-            return
-        total = sum(max(request_rows(r)) for r in decoding)
+        if not decoding:
+            return None
+        key, total, priced = step_class(decoding), sum(max(r.band_rows()) for r in decoding), 0.0
         for request in decoding:
+            seconds = request_seconds(self.costs, request, request.seq.batch_size, total)
+            priced += seconds
             if request.seq.chooser is not None:
-                request.seq.chooser.price(request, total)
+                request.seq.chooser.price(key, seconds)
+        return (key, priced) if len(decoding) == len(requests) else None
 
     def _prefill_budget(self, batch: list[Sequence]) -> tuple[list[Sequence], list[BandRequest]]:
         """The sequences served this step and their requests, at most ``prefill_chunk`` prompt tokens

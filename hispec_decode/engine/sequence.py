@@ -114,6 +114,10 @@ class BandRequest:
         """Tokens the bands of this request have seen once it is served."""
         return len(self.seq.tokens) if self.upto is None else self.upto
 
+    def band_rows(self) -> list[int]:
+        """The rows each band up to the top runs for this request (those it has not run yet)."""
+        return [max(0, self.end - self.seq.processed(b)) for b in range(self.top_band + 1)]
+
 
 class Sequence:
     """One prompt being decoded (see the module docstring for who reads and writes what)."""

@@ -136,6 +136,8 @@ def _run_benchmark(args: argparse.Namespace, binary: Path | None, gguf: Path | N
                     out = models(m).generate([prompt], sampling, settings, **overrides)
                     tokens, counters = out.seqs[0].new_tokens, out.seqs[0].counters
                     tallies[m].levels = [level["level"] for level in out.stats["levels"]]
+                    for arm, n in out.stats.get("arms", {}).items():
+                        tallies[m].arms[arm] = tallies[m].arms.get(arm, 0) + n
                 tally = tallies[m]
                 seconds = time.perf_counter() - t0
                 tally.seconds += seconds

@@ -20,6 +20,7 @@ class Tally:
     outputs: list[list[int]] = field(default_factory=list)
     levels: list[str] = field(default_factory=list)  # the name of each level above the drafter
     rates: list[float] = field(default_factory=list)  # each prompt's tokens per second, in prompt order
+    arms: dict[str, int] = field(default_factory=dict)  # rounds each arm of the round chooser ran, all prompts
 
     def tps(self) -> float | None:
         return self.tokens / self.seconds if self.seconds else None
@@ -41,6 +42,7 @@ class Tally:
             "matches_autoregressive": (f"{sum(a == b for a, b in zip(self.outputs, plain.outputs))}/{self.prompts}"
                                        if plain else None),
             "per_prompt_ratio_to_autoregressive": spread(self.rates, plain.rates) if plain else None,
+            "rounds_by_arm": dict(sorted(self.arms.items())) or None,
         }
 
 

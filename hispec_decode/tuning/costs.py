@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -19,14 +20,19 @@ HEAD_ROWS = (1, 2, 4, 8, 16)  # rows an exit head is timed at (interpolated in b
 CONTEXT = 256  # tokens already in the cache when a pass is timed
 
 
-def _median_seconds(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def _interleaved_medians(runs: dict[Any, Callable[[], object]], reps: int) -> dict[Any, float]:
+    """Each run's median seconds over ``reps`` sweeps that time every run once, in turn (after one warm-up
+    sweep): a host that speeds up or slows down while measuring shifts every run alike, so the costs of
+    passes relative to one another (what choosing between speculation and plain decoding reads) hold."""
+    for fn in runs.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: dict[Any, list[float]] = {key: [] for key in runs}
+    for _ in range(reps):
+        for key, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def _exit_logits(runner: ModelRunner, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -44,7 +50,8 @@ def _exit_logits(runner: ModelRunner, layer: int, h: torch.Tensor) -> torch.Tens
 def measure_costs(runner: ModelRunner, exit_layers: list[int], reps: int = 7, vocab_sizes: tuple[int, ...] = ()
                   ) -> CostModel:
     """Time band passes of 1 and all layers over the row and sequence grids, each exit head, and the
-    vocabulary level's head for each of ``vocab_sizes`` (under its :attr:`Level.key`)."""
+    vocabulary level's head for each of ``vocab_sizes`` (under its :attr:`Level.key`), in interleaved
+    sweeps (:func:`_interleaved_medians`)."""
     decoder = runner.decoder
     n = decoder.num_layers
     size = DEFAULT_BLOCK_SIZE
@@ -58,41 +65,50 @@ def measure_costs(runner: ModelRunner, exit_layers: list[int], reps: int = 7, vo
     for pool in cache.keys + cache.values:
         pool.normal_(generator=g)
 
-    def timer(seqs: int, rows: int, layers: int) -> float:
+    def band(seqs: int, rows: int, layers: int) -> Callable[[], object]:
         spans = [(s, CONTEXT, rows) for s in range(seqs)]
         x = torch.randn(1, seqs * rows, decoder.config.hidden_size, generator=g).to(decoder.dtype)
+        return lambda: decoder.run(x, 0, layers, decoder.meta(cache, spans), cache)
 
-        def run() -> None:
-            meta = decoder.meta(cache, spans)
-            decoder.run(x, 0, layers, meta, cache)
-        return _median_seconds(run, reps)
+    def head(layer: int, rows: int) -> Callable[[], object]:
+        h = torch.randn(1, rows, decoder.config.hidden_size, generator=g).to(decoder.dtype)
+        if layer == n:
+            return lambda: runner.exit_logits(layer, h).argmax(-1)
+        # an early exit's logits are turned into its confidence (a softmax) by every gate
+        return lambda: _exit_logits(runner, layer, h).float().softmax(-1).max(-1)
 
-    def fit(seqs: int, rows: int) -> tuple[float, float]:
-        one, full = timer(seqs, rows, 1), timer(seqs, rows, n)
+    def vocab_head(size: int, rows: int) -> Callable[[], object]:
+        h = torch.randn(1, rows, decoder.config.hidden_size, generator=g).to(decoder.dtype)
+        vocab = runner.level_vocab(size)
+        return lambda: decoder.vocab_logits(decoder.exit_norm(h), vocab).float().softmax(-1).max(-1)
+
+    runs: dict[tuple, Callable[[], object]] = {}
+    for layers in (1, n):
+        runs.update({("rows", r, layers): band(1, r, layers) for r in ROWS})
+        runs.update({("seqs", s, layers): band(s, 1, layers) for s in SEQS})
+    layers_of = sorted(set(exit_layers) | {n})
+    runs.update({("exit", layer, r): head(layer, r) for layer in layers_of for r in HEAD_ROWS})
+    runs.update({("vocab", size, r): vocab_head(size, r) for size in vocab_sizes for r in HEAD_ROWS})
+    t = _interleaved_medians(runs, reps)
+
+    def fit(kind: str, count: int) -> tuple[float, float]:
+        one, full = t[kind, count, 1], t[kind, count, n]
         per_layer = max(0.0, (full - one) / (n - 1))
         return max(0.0, one - per_layer), per_layer
 
     call_rows, layer_rows, call_seqs, layer_seqs = {}, {}, {}, {}
     for r in ROWS:
-        call_rows[r], layer_rows[r] = fit(1, r)
+        call_rows[r], layer_rows[r] = fit("rows", r)
     for s in SEQS:
-        call_seqs[s], layer_seqs[s] = fit(s, 1)
+        call_seqs[s], layer_seqs[s] = fit("seqs", s)
     exits: dict[int, dict[int, float]] = {}
-    for layer in sorted(set(exit_layers) | {n}):
+    for layer in layers_of:
         exits[layer] = {}
         for r in HEAD_ROWS:
-            h = torch.randn(1, r, decoder.config.hidden_size, generator=g).to(decoder.dtype)
-            # an early exit's logits are turned into its confidence (a softmax) by every gate
-            seconds = _median_seconds(lambda: _exit_logits(runner, layer, h).float().softmax(-1).max(-1), reps) \
-                if layer < n else _median_seconds(lambda: runner.exit_logits(layer, h).argmax(-1), reps)
+            seconds = t["exit", layer, r]
             if layer in runner.head_cache_layer:  # a head with attention: its block is part of the exit's cost
                 seconds += interpolate(layer_rows, r)
             exits[layer][r] = seconds
     for size in vocab_sizes:
-        vocab = runner.level_vocab(size)
-        exits[vocab_key(size)] = {}
-        for r in HEAD_ROWS:
-            h = torch.randn(1, r, decoder.config.hidden_size, generator=g).to(decoder.dtype)
-            exits[vocab_key(size)][r] = _median_seconds(
-                lambda: decoder.vocab_logits(decoder.exit_norm(h), vocab).float().softmax(-1).max(-1), reps)
+        exits[vocab_key(size)] = {r: t["vocab", size, r] for r in HEAD_ROWS}
     return CostModel(call_rows, layer_rows, call_seqs, layer_seqs, exits)
