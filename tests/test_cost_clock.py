@@ -60,6 +60,35 @@ def test_a_chooser_rates_arms_at_the_clocks_factors(monkeypatch):
                                                          e.seconds[1, 0, 1] + 0.25 * e.seconds[1, 1, 4]))
 
 
+def test_plain_decoding_is_retried_only_until_its_steps_are_timed(monkeypatch):
+    """Plain decoding out of favour is retried while the clock has timed few plain steps and the choice is
+    close; once the model's clock has timed enough of them (by any sequence), or where the policy is far
+    ahead, it never is."""
+    monkeypatch.setattr(RoundChooser, "choose", CHOOSE)
+    policy = Policy(draft_layer=2, verify_layer=LAYERS, window=1, num_draft=2)
+    seq = type("Seq", (), {"room": lambda self: 10, "tokens": [1, 2, 3, 4], "batch_size": 1, "drafter_state": {},
+                           "exits": (2, LAYERS)})()
+
+    def plain_rounds(clock: CostClock, ahead: float) -> int:
+        c = RoundChooser(policy, flat_costs(LAYERS, (2,)), LAYERS, clock=clock)
+        c.choose(seq)
+        prior = c.rate("plain")
+        plain = 0
+        for _ in range(100):  # the policy's rounds commit `ahead` times plain decoding's rate
+            c.choose(seq)
+            plain += c.arm == "plain"
+            c.seconds = {} if c.arm == "plain" else {(1, 1, 2): 1.0 / (ahead * prior)}
+            c.record(1)
+        return plain
+
+    assert plain_rounds(CostClock(), 1.2) >= 3  # close, and untimed: retried
+    assert plain_rounds(CostClock(), 3.0) == 0  # far ahead: never worth it
+    timed = CostClock()
+    for _ in range(8):
+        timed.observe((1, 1, 1), 1.0, 1.0)
+    assert plain_rounds(timed, 1.2) == 0
+
+
 def skewed_costs(num_layers: int, layers: tuple[int, ...], dear: float) -> CostModel:
     """:func:`flat_costs` with every pass of more than one row priced ``dear`` times over."""
     costs = flat_costs(num_layers, layers)

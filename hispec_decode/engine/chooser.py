@@ -30,7 +30,9 @@ speculates only once a sequence's own rounds show it pays there. The chooser tak
 rate (on a tie, the policy alone and plain decoding in a batch); an arm out of favour is retried after
 :data:`RETRY_EVERY` rounds of its kind, twice as rarely after each retry that loses (at most
 :data:`MAX_RETRY_EVERY`), so exploring costs a bounded share of the rounds; plain decoding is retried
-too (so the clock sees its steps), never priced (its rate is the costs' step at the clock's factor). Decisions read past verdicts and whether a copy exists now, never
+while the clock has timed few of its steps and the choice is close (its rate depends on the machine, not
+the text, so a model's first sequences time it for all), never priced (its rate is the costs' step at the
+clock's factor). Decisions read past verdicts and whether a copy exists now, never
 the verifier's output for the tokens being decided: every arm is lossless, so the choice changes only
 speed. A new sequence starts from the prior: no request pays for another's text.
 """
@@ -52,6 +54,8 @@ DECAY = 0.9  # weight of an arm's earlier rounds, per round of that arm
 PRIOR_ROUNDS = 4.0  # the prior's weight, in plain steps' seconds
 RETRY_EVERY = 6  # rounds of its kind before an arm out of favour is tried again, at first
 MAX_RETRY_EVERY = 96  # ... and at most, after retries that keep losing
+PLAIN_TIMED = 8  # plain steps the clock has timed before plain decoding is no longer retried
+PLAIN_CLOSE = 1.5  # ... and it is retried only where the best arm's rate is within this factor of its rate
 
 
 def arm_policies(policy: Policy) -> dict[str, Policy]:
@@ -144,7 +148,8 @@ class RoundChooser:
         favourite = "policy" if self.key[1] == 1 else "plain"
         rates = {arm: self.rate(arm) for arm in offered}
         best = max(offered, key=lambda a: (rates[a], a == favourite))
-        stale = [a for a in offered if a != best and evidence[a].since >= evidence[a].retry_every]
+        stale = [a for a in offered if a != best and evidence[a].since >= evidence[a].retry_every
+                 and (a != "plain" or self._plain_untimed(rates["plain"], rates[best]))]
         self.arm = max(stale, key=lambda a: evidence[a].since) if stale else best
         self.seconds = {}
         self.picks[self.arm] = self.picks.get(self.arm, 0) + 1
@@ -182,6 +187,12 @@ class RoundChooser:
         """Priced seconds of one plain decoding step, per sequence, in the running round's batch-size class."""
         size = self.key[1]
         return self.costs.full_step(self.num_layers, size) / size + self.costs.request
+
+    def _plain_untimed(self, plain: float, best: float) -> bool:
+        """Whether a plain round is worth retrying: plain decoding's rate depends on the machine alone, not on
+        the text, so only while the clock has timed few of its steps (by any sequence of the model), and only
+        where the clock's guess could be off by enough to change the choice."""
+        return self.clock.counts.get(self._plain_class(), 0) < PLAIN_TIMED and plain * PLAIN_CLOSE >= best
 
     def _plain_class(self) -> StepClass:
         return self.key[1], self.top, 1
