@@ -21,14 +21,15 @@ CONTEXT = 256  # tokens already in the cache when a pass is timed
 
 
 def _interleaved_medians(runs: dict[Any, Callable[[], object]], reps: int) -> dict[Any, float]:
-    """Each run's median seconds over ``reps`` sweeps that time every run once, in turn (after one warm-up
-    sweep): a host that speeds up or slows down while measuring shifts every run alike, so the costs of
-    passes relative to one another (what choosing between speculation and plain decoding reads) hold."""
-    for fn in runs.values():
-        fn()
+    """Each run's median seconds over ``reps`` sweeps that time every run once, in turn, each time right
+    after an untimed call of it (so a run is timed warm, as before, not after another run's weights
+    evicted its own): a host that speeds up or slows down while measuring shifts every run alike, so the
+    costs of passes relative to one another (what choosing between speculation and plain decoding reads)
+    hold."""
     times: dict[Any, list[float]] = {key: [] for key in runs}
     for _ in range(reps):
         for key, fn in runs.items():
+            fn()
             t0 = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - t0)

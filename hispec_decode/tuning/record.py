@@ -34,7 +34,7 @@ from .simulate import add_vocab_rows
 
 logger = logging.getLogger(__name__)
 
-DERIVATION = 10  # a derived record of another version is derived again
+DERIVATION = 11  # a derived record of another version is derived again
 BASE_TRACES, BASE_TOKENS = 4, 96  # a base without an adapter: prompts and tokens of its calibration decode
 
 
