@@ -27,7 +27,8 @@ An arm's rate is its tokens over its seconds, starting from a prior worth :data:
 steps: alone, the derivation's prediction of that arm on the adapter's calibration traces (else plain
 decoding's rate, which the costs give); in a batch, plain decoding's rate for every arm, so a batch
 speculates only once a sequence's own rounds show it pays there. The chooser takes the arm of highest
-rate (on a tie, the policy alone and plain decoding in a batch); an arm out of favour is retried after
+score, a drafting arm's rate plus one standard error of it (:meth:`RoundChooser.score`), plain decoding's
+rate as it is (on a tie, the policy alone and plain decoding in a batch); an arm out of favour is retried after
 :data:`RETRY_EVERY` rounds of its kind, twice as rarely after each retry that loses (at most
 :data:`MAX_RETRY_EVERY`), so exploring costs a bounded share of the rounds; plain decoding is retried
 while the clock has timed few of its steps and the choice is close (its rate depends on the machine, not
@@ -53,7 +54,7 @@ ARMS = ("policy", "plain", "exit", "copy")
 DECAY = 0.9  # weight of an arm's earlier rounds, per round of that arm
 PRIOR_ROUNDS = 4.0  # the prior's weight, in plain steps' seconds
 RETRY_EVERY = 6  # rounds of its kind before an arm out of favour is tried again, at first
-MAX_RETRY_EVERY = 96  # ... and at most, after retries that keep losing
+MAX_RETRY_EVERY = 24  # ... and at most, after retries that keep losing
 PLAIN_TIMED = 8  # plain steps the clock has timed before plain decoding is no longer retried
 PLAIN_CLOSE = 1.5  # ... and it is retried only where the best arm's rate is within this factor of its rate
 
@@ -102,10 +103,34 @@ class _Evidence:
     since: int = 0  # rounds of its kind since it last ran
     retry_every: int = RETRY_EVERY
 
+    # decayed (by DECAY squared) sums of the rounds' tokens t and priced seconds s: t^2, t s, s^2
+    tt: float = 0.0
+    ts: float = 0.0
+    ss: float = 0.0
+
     def rate(self, clock: CostClock) -> float:
         """Tokens per second, each class's priced seconds at what such steps take now."""
         seconds = sum(s * clock.factor(key) for key, s in self.seconds.items())
         return self.tokens / seconds if seconds > 0 else 0.0
+
+    def add(self, tokens: float, seconds: dict[StepClass, float]) -> None:
+        """One more round: ``tokens`` committed in ``seconds`` (priced, by class); earlier rounds decay."""
+        s = sum(seconds.values())
+        self.tokens = DECAY * self.tokens + tokens
+        for key in set(self.seconds) | set(seconds):
+            self.seconds[key] = DECAY * self.seconds.get(key, 0.0) + seconds.get(key, 0.0)
+        self.tt, self.ts, self.ss = (DECAY**2 * self.tt + tokens * tokens, DECAY**2 * self.ts + tokens * s,
+                                     DECAY**2 * self.ss + s * s)
+
+    def spread(self) -> float:
+        """The rate's standard error relative to the rate (the ratio estimator's, over the decayed rounds;
+        the prior adds none): how far the rate could be off from the rounds seen."""
+        seconds = sum(self.seconds.values())
+        if seconds <= 0 or self.tokens <= 0:
+            return 0.0
+        r = self.tokens / seconds
+        var = max(0.0, self.tt - 2 * r * self.ts + r * r * self.ss) / seconds**2
+        return var**0.5 / r
 
 
 @dataclass
@@ -146,10 +171,10 @@ class RoundChooser:
         for e in evidence.values():
             e.since += 1
         favourite = "policy" if self.key[1] == 1 else "plain"
-        rates = {arm: self.rate(arm) for arm in offered}
-        best = max(offered, key=lambda a: (rates[a], a == favourite))
+        scores = {arm: self.score(arm) for arm in offered}
+        best = max(offered, key=lambda a: (scores[a], a == favourite))
         stale = [a for a in offered if a != best and evidence[a].since >= evidence[a].retry_every
-                 and (a != "plain" or self._plain_untimed(rates["plain"], rates[best]))]
+                 and (a != "plain" or self._plain_untimed(scores["plain"], scores[best]))]
         self.arm = max(stale, key=lambda a: evidence[a].since) if stale else best
         self.seconds = {}
         self.picks[self.arm] = self.picks.get(self.arm, 0) + 1
@@ -162,6 +187,15 @@ class RoundChooser:
             return 1.0 / (self._plain_step() * self.clock.factor(self._plain_class()))
         return self._evidence(arm).rate(self.clock)
 
+    def score(self, arm: str) -> float:
+        """What the choice compares: a drafting arm's rate plus one standard error of it, plain decoding's
+        rate (known: the costs' step at the clock's factor). An arm whose few last rounds were unlucky is
+        not left behind on them: without the error a noisy arm that dips below plain decoding stops
+        gathering the evidence that would lift it again."""
+        if arm == "plain":
+            return self.rate(arm)
+        return self.rate(arm) * (1.0 + self._evidence(arm).spread())
+
     def price(self, key: StepClass, seconds: float) -> None:
         """Add a request of the running round to its cost (before it is served): ``seconds`` priced by
         :func:`request_seconds` in a step of class ``key``. Plain rounds are not priced: their rate is the
@@ -173,14 +207,12 @@ class RoundChooser:
         """The round of :attr:`arm` ended with ``tokens`` committed."""
         e = self._evidence(self.arm)
         kinds = ARMS if self.key[0] else ("policy", "plain")
-        leader = max(self.rate(a) for a in kinds if a != self.arm)
+        leader = max(self.score(a) for a in kinds if a != self.arm)
         was_retry = e.since >= e.retry_every
         if self.arm != "plain":  # plain decoding's rate stays the costs' own (:meth:`rate`)
-            e.tokens = DECAY * e.tokens + tokens
-            for key in set(e.seconds) | set(self.seconds):
-                e.seconds[key] = DECAY * e.seconds.get(key, 0.0) + self.seconds.get(key, 0.0)
+            e.add(tokens, self.seconds)
         if was_retry:  # a retry that loses waits twice as long for the next one
-            e.retry_every = RETRY_EVERY if self.rate(self.arm) >= leader else min(2 * e.retry_every, MAX_RETRY_EVERY)
+            e.retry_every = RETRY_EVERY if self.score(self.arm) >= leader else min(2 * e.retry_every, MAX_RETRY_EVERY)
         e.since = 0
 
     def _plain_step(self) -> float:
