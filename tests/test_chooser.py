@@ -205,7 +205,8 @@ def test_arms_keep_the_levels_and_retries_back_off(choosing):
         c.seconds = {(1, 0, 1): 1.0} if c.arm != "plain" else {}
         c.record(1)
     late = tried[300:]
-    assert late.count("policy") <= 300 // MAX_RETRY_EVERY + 1 and late.count("plain") >= 300 - (300 // MAX_RETRY_EVERY + 1)
+    retries = 300 // MAX_RETRY_EVERY + 1
+    assert late.count("policy") <= retries and late.count("plain") >= 300 - retries
     assert ("policy", True, 1) not in c.evidence  # the other kind's evidence was not touched
     assert chooser.DECAY < 1
 

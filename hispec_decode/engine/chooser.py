@@ -17,11 +17,11 @@ text as it changes. A round's cost is priced, not timed: each pass it made is pr
 :class:`~hispec_decode.decoding.cost_model.CostModel` (:func:`request_seconds`), kept by the class of step
 it ran in, and read at what such steps take now (the engine's :class:`~.cost_clock.CostClock`, a running
 mean over many steps): a record measured at another speed, or with passes' costs wrong relative to one
-another, is followed, and one stalled step moves nothing much. In a batch a request is priced at the sequence's share of the
-step's passes: its share of one row per sequence, and each extra row at the average cost of all the
-step's extra rows on the machine's row-cost curve. So when many sequences draft at once, every drafted row
-costs more, and the sequences whose drafts are accepted least turn plain first: the batch's rows go to
-the sequences whose evidence says they pay most.
+another, is followed, and one stalled step moves nothing much. In a batch a request is priced at the
+sequence's share of the step's passes: its share of one row per sequence, and each extra row at the
+average cost of all the step's extra rows on the machine's row-cost curve. So when many sequences draft
+at once, every drafted row costs more, and the sequences whose drafts are accepted least turn plain
+first: the batch's rows go to the sequences whose evidence says they pay most.
 
 An arm's rate is its tokens over its seconds, starting from a prior worth :data:`PRIOR_ROUNDS` plain
 steps: alone, the derivation's prediction of that arm on the adapter's calibration traces (else plain

@@ -18,8 +18,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .sequence import BandRequest
-
 ALPHA = 0.1  # weight of the newest observation in a class's running mean (of log time / priced)
 SETTLED = 4  # observations of a class before its new ones are clipped near its mean
 CLIP = math.log(2.0)  # ... to within this (in log) of it
@@ -33,11 +31,10 @@ def size_class(n: int) -> int:
     return min(1 << (max(n, 1).bit_length() - 1), MAX_CLASS)
 
 
-def step_class(requests: list[BandRequest]) -> StepClass:
-    """The class of a step serving ``requests``: its sequences' size class, the highest band any request
-    reaches, and the size class of the most rows one band of one request runs."""
-    rows = max(max(r.band_rows(), default=0) for r in requests)
-    return size_class(len(requests)), max(r.top_band for r in requests), size_class(rows)
+def step_class(seqs: int, top_band: int, rows: int) -> StepClass:
+    """The class of a step of ``seqs`` decoding sequences whose requests reach band ``top_band`` at most,
+    one band of one request running ``rows`` rows at most."""
+    return size_class(seqs), top_band, size_class(rows)
 
 
 @dataclass

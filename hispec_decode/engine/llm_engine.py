@@ -152,7 +152,9 @@ class LLMEngine:
         decoding = [r for s, r in zip(batch, requests) if r is s.request and s.processed(0) >= s.committed - 1]
         if not decoding:
             return None
-        key, total, priced = step_class(decoding), sum(max(r.band_rows()) for r in decoding), 0.0
+        most = [max(r.band_rows()) for r in decoding]  # each request's widest band
+        key = step_class(len(decoding), max(r.top_band for r in decoding), max(most))
+        total, priced = sum(most), 0.0
         for request in decoding:
             seconds = request_seconds(self.costs, request, request.seq.batch_size, total)
             priced += seconds
